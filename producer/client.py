@@ -1,0 +1,318 @@
+"""The producer's connection to the pool: submit requests, receive replies, time out clearly.
+
+All requests made on one event-loop tick go to Redis in one pipeline of SUBMIT scripts. One
+listener task per connection pops replies from the connection's own reply list with ``BLMPOP``
+(many replies per round trip) and resolves the futures waiting on each digest. Identical
+requests in flight share one future and one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis as sync_redis
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared import protocol, registry
+from shared.errors import LMPoolError, ProtocolError, QueueFull, RequestTimeout
+from shared.keys import GROUP, Keys
+from shared.redis_conn import connect_redis
+from shared.scripts import SUBMIT
+from shared.settings import Settings
+
+log = logging.getLogger("lmpool.producer")
+LISTEN_BLOCK_S = 1.0
+REPLIES_PER_POP = 512
+
+
+@dataclass
+class Submission:
+    digest: str
+    message: bytes
+    future: asyncio.Future[bytes]
+    priority: str
+
+
+class PoolClient:
+    """Submits requests for one model and routes the replies back."""
+
+    def __init__(self, settings: Settings, model: str, priority: str = "high") -> None:
+        self.settings = settings
+        self.model = model
+        self.priority = priority
+        self.keys = Keys(settings.key_prefix)
+        self.client_id = uuid.uuid4().hex
+        self.reply_key = self.keys.reply(self.client_id)
+        self.redis: Redis = connect_redis(settings.redis_url)
+        self._listen_redis: Redis = connect_redis(
+            settings.redis_url, socket_timeout=LISTEN_BLOCK_S + 10
+        )
+        self._submit = self.redis.register_script(SUBMIT)
+        self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._waiting: dict[str, int] = {}
+        self._queue: list[Submission] = []
+        self._flush_task: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._closed = False
+        self._sync: SyncSubmitter | None = None
+
+    def start(self) -> None:
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name="lmpool-listener")
+
+    # -- submit ---------------------------------------------------------------------------
+    async def request(self, digest: str, message: bytes, timeout_s: float) -> bytes:
+        """Encoded result for ``digest``, submitting ``message`` unless already in flight."""
+        if self._closed:
+            raise LMPoolError("this RemoteLM is closed")
+        fut = self._pending.get(digest)
+        if fut is None:
+            await self._slots.acquire()
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(lambda _f: self._slots.release())
+            self._pending[digest] = fut
+            self._queue.append(Submission(digest, message, fut, self.priority))
+            if self._flush_task is None:
+                self._flush_task = asyncio.create_task(self._flush())
+        self._waiting[digest] = self._waiting.get(digest, 0) + 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            error = await self._timeout_error(timeout_s)
+            self._give_up(digest, fut, error)
+            raise error from None
+        except asyncio.CancelledError:
+            if self._waiting.get(digest) == 1:
+                self._give_up(digest, fut, None)
+            raise
+        finally:
+            left = self._waiting.get(digest, 1) - 1
+            if left:
+                self._waiting[digest] = left
+            else:
+                self._waiting.pop(digest, None)
+
+    def _give_up(
+        self, digest: str, fut: asyncio.Future[bytes], error: BaseException | None
+    ) -> None:
+        """Stop waiting for ``digest``: workers skip it if nobody else waits."""
+        if self._pending.get(digest) is not fut or fut.done():
+            return
+        del self._pending[digest]
+        if error is None:
+            fut.cancel()
+        else:
+            fut.set_exception(error)
+            fut.exception()  # retrieved: sharers re-raise it themselves
+        task = asyncio.ensure_future(self.redis.srem(self.keys.waiters(digest), self.reply_key))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let every request of this tick join the pipeline
+        batch, self._queue = self._queue, []
+        self._flush_task = None
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            ttl_ms = int(self.settings.timeout_s * 1000) + 60_000
+            for sub in batch:
+                keys = [
+                    self.keys.result(sub.digest),
+                    self.keys.waiters(sub.digest),
+                    self.keys.inflight(sub.digest),
+                    self.keys.stream(self.model, sub.priority),
+                ]
+                args = [self.reply_key, sub.message, ttl_ms, ttl_ms, self.settings.max_queue]
+                await self._submit(keys=keys, args=args, client=pipe)
+            answers = await pipe.execute(raise_on_error=False)
+        except Exception as e:  # Redis unreachable: every request of the batch fails clearly
+            for sub in batch:
+                self._fail(sub.digest, sub.future, LMPoolError(f"cannot submit to Redis: {e!r}"))
+            return
+        for sub, answer in zip(batch, answers, strict=True):
+            if isinstance(answer, Exception):
+                self._fail(sub.digest, sub.future, LMPoolError(f"submit failed: {answer!r}"))
+            elif answer[0] == 1:
+                self._resolve(sub.digest, sub.future, answer[1])
+            elif answer[0] == 2:
+                self._fail(
+                    sub.digest,
+                    sub.future,
+                    QueueFull(
+                        f"queue of model {self.model!r} holds LMPOOL_MAX_QUEUE="
+                        f"{self.settings.max_queue} requests; retry later"
+                    ),
+                )
+
+    def _resolve(self, digest: str, fut: asyncio.Future[bytes], result: bytes) -> None:
+        if self._pending.get(digest) is fut:
+            del self._pending[digest]
+        if not fut.done():
+            fut.set_result(result)
+
+    def _fail(self, digest: str, fut: asyncio.Future[bytes], exc: BaseException) -> None:
+        if self._pending.get(digest) is fut:
+            del self._pending[digest]
+        if not fut.done():
+            fut.set_exception(exc)
+
+    # -- replies --------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            try:
+                popped = await self._listen_redis.blmpop(
+                    LISTEN_BLOCK_S, 1, self.reply_key, direction="LEFT", count=REPLIES_PER_POP
+                )
+                backoff = 0.05
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                if self._closed:
+                    return
+                log.warning("reply listener lost Redis (%r); reconnecting in %.2fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if popped:
+                for raw in popped[1]:
+                    self._deliver(raw)
+
+    def _deliver(self, raw: bytes) -> None:
+        try:
+            digest, outcome = protocol.decode_reply(raw)
+        except ProtocolError:
+            log.exception("undecodable reply ignored")
+            return
+        fut = self._pending.get(digest)
+        if fut is None:
+            return  # answered from the cache already, or given up on
+        if isinstance(outcome, BaseException):
+            self._fail(digest, fut, outcome)
+        else:
+            self._resolve(digest, fut, outcome)
+
+    # -- diagnostics ----------------------------------------------------------------------
+    async def queue_state(self) -> str:
+        """One line on the model's queue for error messages."""
+        try:
+            workers = await registry.live_workers(self.redis, self.keys, self.model)
+            parts = [f"{len(workers)} live worker(s)"]
+            for stream in self.keys.streams(self.model):
+                length = await self.redis.xlen(stream)
+                try:
+                    pending = (await self.redis.xpending(stream, GROUP))["pending"]
+                except Exception:
+                    pending = 0
+                parts.append(f"{stream.rsplit(':', 1)[-1]} queue {length} ({pending} pending)")
+            return ", ".join(parts)
+        except Exception as e:
+            return f"queue state unavailable: {e!r}"
+
+    async def _timeout_error(self, timeout_s: float) -> RequestTimeout:
+        state = await self.queue_state()
+        return RequestTimeout(
+            f"no answer from model {self.model!r} within {timeout_s:g}s ({state})"
+        )
+
+    # -- sync path ------------------------------------------------------------------------
+    def sync(self) -> SyncSubmitter:
+        if self._sync is None:
+            self._sync = SyncSubmitter(self)
+        return self._sync
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Fail every request waiting on this connection (genlm's ``reset_async_queries``)."""
+        for digest, fut in list(self._pending.items()):
+            self._fail(digest, fut, LMPoolError("request abandoned by reset_async_queries()"))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pending = list(self._pending)
+        self.reset()
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for digest in pending:
+                pipe.srem(self.keys.waiters(digest), self.reply_key)
+            pipe.delete(self.reply_key)
+            await pipe.execute()
+        except Exception:
+            log.debug("cleanup after close failed", exc_info=True)
+        await self.redis.aclose()
+        await self._listen_redis.aclose()
+        if self._sync is not None:
+            self._sync.close()
+
+
+class SyncSubmitter:
+    """Blocking requests for callers without an event loop (or inside a running one).
+
+    Uses its own synchronous Redis client and reply list, so it never touches the async
+    client's event loop; calls are serialized by the caller's thread.
+    """
+
+    def __init__(self, client: PoolClient) -> None:
+        self.client = client
+        self.redis = sync_redis.Redis.from_url(client.settings.redis_url)
+        self.reply_key = client.keys.reply(client.client_id + "-sync")
+        self._submit = self.redis.register_script(SUBMIT)
+
+    def request_many(self, items: list[tuple[str, bytes]], timeout_s: float) -> dict[str, bytes]:
+        c = self.client
+        ttl_ms = int(timeout_s * 1000) + 60_000
+        pipe = self.redis.pipeline(transaction=False)
+        for digest, message in items:
+            keys = [
+                c.keys.result(digest),
+                c.keys.waiters(digest),
+                c.keys.inflight(digest),
+                c.keys.stream(c.model, c.priority),
+            ]
+            self._submit(
+                keys=keys,
+                args=[self.reply_key, message, ttl_ms, ttl_ms, c.settings.max_queue],
+                client=pipe,
+            )
+        results: dict[str, bytes] = {}
+        for (digest, _), answer in zip(items, pipe.execute(), strict=True):
+            if answer[0] == 1:
+                results[digest] = answer[1]
+            elif answer[0] == 2:
+                raise QueueFull(f"queue of model {c.model!r} is full; retry later")
+        deadline = time.monotonic() + timeout_s
+        wanted = {d for d, _ in items} - set(results)
+        while wanted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(f"no answer from model {c.model!r} within {timeout_s:g}s")
+            popped = self.redis.blmpop(
+                min(left, LISTEN_BLOCK_S), 1, self.reply_key, direction="LEFT", count=512
+            )
+            for raw in popped[1] if popped else []:
+                digest, outcome = protocol.decode_reply(raw)
+                if digest not in wanted:
+                    continue
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[digest] = outcome
+                wanted.discard(digest)
+        return results
+
+    def close(self) -> None:
+        try:
+            self.redis.delete(self.reply_key)
+        finally:
+            self.redis.close()
+
+

@@ -1,0 +1,1 @@
+"""What producers and workers agree on: protocol, keys, settings, errors, vocabularies."""

@@ -1,0 +1,95 @@
+"""Typed errors shared by producers and workers.
+
+Every failure that crosses the wire travels as ``{"code": ..., "message": ...}`` and is turned
+back into one of these classes on the producer, so callers can ``except`` precisely.
+"""
+
+from __future__ import annotations
+
+
+class LMPoolError(Exception):
+    """Base class of every error lmpool raises."""
+
+    code = "internal"
+
+
+class SettingsError(LMPoolError, ValueError):
+    """A setting is missing, misspelled or out of range (raised at start-up)."""
+
+    code = "settings"
+
+
+class InvalidRequest(LMPoolError, ValueError):
+    """The request itself is wrong: empty, out-of-vocabulary or too-long token ids, bad params."""
+
+    code = "invalid_request"
+
+
+class UnknownAdapter(InvalidRequest):
+    """The LoRA adapter named by the request is not loaded on the workers."""
+
+    code = "unknown_adapter"
+
+
+class ProtocolError(LMPoolError):
+    """A message could not be decoded: malformed, truncated, oversized or of another version."""
+
+    code = "protocol"
+
+
+class NoWorker(LMPoolError, TimeoutError):
+    """No live worker serves the requested model."""
+
+    code = "no_worker"
+
+
+class RequestTimeout(LMPoolError, TimeoutError):
+    """A request got no answer within its timeout."""
+
+    code = "timeout"
+
+
+class QueueFull(LMPoolError):
+    """The model's request stream is longer than ``LMPOOL_MAX_QUEUE``: back off and retry."""
+
+    code = "queue_full"
+
+
+class WorkerError(LMPoolError, RuntimeError):
+    """The worker failed while computing the request (the model raised)."""
+
+    code = "worker"
+
+
+class DeadLettered(WorkerError):
+    """The request was delivered ``LMPOOL_MAX_DELIVERIES`` times without an answer."""
+
+    code = "dead_letter"
+
+
+_BY_CODE: dict[str, type[LMPoolError]] = {
+    cls.code: cls
+    for cls in (
+        LMPoolError,
+        SettingsError,
+        InvalidRequest,
+        UnknownAdapter,
+        ProtocolError,
+        NoWorker,
+        RequestTimeout,
+        QueueFull,
+        WorkerError,
+        DeadLettered,
+    )
+}
+
+
+def error_from_wire(code: str, message: str) -> LMPoolError:
+    """Rebuild the typed error a worker sent; unknown codes become ``LMPoolError``."""
+    return _BY_CODE.get(code, LMPoolError)(message)
+
+
+def error_to_wire(exc: BaseException) -> dict[str, str]:
+    """The wire form of an exception: lmpool errors keep their code, others become ``worker``."""
+    code = exc.code if isinstance(exc, LMPoolError) else WorkerError.code
+    return {"code": code, "message": f"{type(exc).__name__}: {exc}"}

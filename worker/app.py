@@ -1,0 +1,72 @@
+"""``arq worker.WorkerSettings``: the process that runs a backend and serves its streams.
+
+arq owns the process (signals, start-up, shutdown, offline jobs); the per-request path runs on
+Redis streams in :mod:`worker.consumer`, started from ``on_startup``. Jobs travel as msgpack,
+never pickle: anyone who can write to Redis must not be able to run code on a GPU node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+import msgpack
+from arq.connections import RedisSettings
+
+from shared.keys import Keys
+from shared.logs import setup_logging
+from shared.settings import Settings
+
+log = logging.getLogger("lmpool.worker")
+
+
+def load_settings() -> Settings:
+    """Settings from the environment, validated: a bad variable stops the worker at start-up."""
+    return Settings.from_env()
+
+
+async def startup(ctx: dict[str, Any]) -> None:
+    from worker.backends import load_backend
+    from worker.pool import PoolWorker
+
+    settings = load_settings()
+    setup_logging(settings.log_level)
+    backend = await asyncio.to_thread(load_backend, settings)
+    pool = PoolWorker(settings, backend)
+    await pool.start()
+    ctx["lmpool"] = pool
+
+
+async def shutdown(ctx: dict[str, Any]) -> None:
+    pool = ctx.get("lmpool")
+    if pool is not None:
+        await pool.stop()
+
+
+async def pool_info(ctx: dict[str, Any]) -> dict[str, Any]:
+    """arq job: this worker's description and counters."""
+    description: dict[str, Any] = ctx["lmpool"].describe()
+    return description
+
+
+_SETTINGS = load_settings()
+_packb = functools.partial(msgpack.packb, use_bin_type=True)
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=False)
+
+
+class WorkerSettings:
+    """arq settings; every value comes from ``LMPOOL_*`` variables (see README)."""
+
+    functions = [pool_info]
+    on_startup = startup
+    on_shutdown = shutdown
+    redis_settings = RedisSettings.from_dsn(_SETTINGS.redis_url)
+    queue_name = Keys(_SETTINGS.key_prefix).arq_queue
+    job_serializer = _packb
+    job_deserializer = _unpackb
+    max_jobs = 4
+    job_timeout = 24 * 3600
+    keep_result = 3600
+    poll_delay = 0.5

@@ -1,0 +1,36 @@
+"""Backend factory: ``load_backend(settings)`` picks and builds the configured engine."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from shared.errors import SettingsError
+from shared.settings import Settings
+from worker.backends.base import Backend, ModelInfo
+
+
+def choose_backend(settings: Settings) -> str:
+    """genlm-backend's rule: vllm when CUDA and vLLM are present, else hf."""
+    if settings.backend != "auto":
+        return settings.backend
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return "hf"
+
+
+def load_backend(settings: Settings) -> Backend:
+    name = choose_backend(settings)
+    if name == "mock":
+        from worker.backends.mock import MockBackend
+
+        return MockBackend(settings.mock_vocab_size)
+    if name == "hf":
+        from worker.backends.hf import HFBackend
+
+        return HFBackend(settings)
+    raise SettingsError(f"LMPOOL_BACKEND={name} is not available in this build")
+
+
+__all__ = ["Backend", "ModelInfo", "choose_backend", "load_backend"]

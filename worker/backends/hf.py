@@ -1,0 +1,181 @@
+"""transformers backend: batched, left-padded forward passes; the LM head on the last position only.
+
+genlm-backend computes the LM head and a log-softmax row for every prompt position; a
+next-token request needs only the last one, which saves a vocabulary-sized matmul per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.settings import Settings
+from shared.tokenizer import tokenizer_config
+from worker.backends.base import Backend, ModelInfo, draw
+from worker.model_files import converted_gguf, files_fingerprint, resolve_model
+
+log = logging.getLogger("lmpool.worker")
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def pick_dtype(setting: str, device: torch.device, model_dtype: Any) -> torch.dtype:
+    """float32 on CPU; the checkpoint's own dtype on GPU, unless set."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    if device.type == "cpu":
+        return torch.float32
+    return model_dtype if isinstance(model_dtype, torch.dtype) else torch.bfloat16
+
+
+class HFBackend(Backend):
+    name = "hf"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        source = resolve_model(settings.model)
+        path = converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
+        config = AutoConfig.from_pretrained(path)
+        self.device = pick_device(settings.device)
+        self.dtype = pick_dtype(settings.dtype, self.device, getattr(config, "dtype", None))
+        model_kwargs: dict[str, Any] = {"dtype": self.dtype}
+        model_kwargs.update(quantization_kwargs(settings))
+        self.model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
+        if "quantization_config" not in model_kwargs:
+            self.model.to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.adapters = load_adapters(self, settings.lora_adapters())
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if not eos_ids and self.tokenizer.eos_token_id is not None:
+            eos_ids = [self.tokenizer.eos_token_id]
+        self.pad_id = self.tokenizer.pad_token_id or (eos_ids[0] if eos_ids else 0)
+        vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        fingerprint = files_fingerprint(source) + f"-{self.dtype}".replace("torch.", "")
+        self.info = ModelInfo(
+            name_or_path=str(settings.model or source.stem),
+            fingerprint=fingerprint,
+            vocab_size=vocab_size,
+            max_length=int(getattr(config, "max_position_embeddings", 2048) or 2048),
+            eos_token_ids=eos_ids,
+            bos_token_id=self.tokenizer.bos_token_id,
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device),
+            tokenizer_json=self.tokenizer.backend_tokenizer.to_str(),
+            tokenizer_config=tokenizer_config(self.tokenizer),
+            adapters=sorted(self.adapters),
+        )
+        log.info(
+            "loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size
+        )
+
+    def _forward(
+        self, prompts: list[list[int]], lora: str | None, keep: int = 1
+    ) -> torch.Tensor:
+        """Logits of the last ``keep`` positions of each left-padded prompt, ``[N, keep, V]``."""
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        self._select_adapter(lora)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=position_ids.to(self.device),
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+        return out.logits
+
+    def _select_adapter(self, lora: str | None) -> None:
+        if not self.adapters:
+            return
+        if lora is None:
+            self.model.base_model.disable_adapter_layers()
+        else:
+            self.model.base_model.enable_adapter_layers()
+            self.model.set_adapter(lora)
+
+    def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        self._count(prompts)
+        logits = self._forward(prompts, lora)[:, -1, :]
+        return torch.log_softmax(logits.float(), dim=-1).to(self.dtype)
+
+    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+        full = prompt + continuation
+        self._count([full])
+        logits = self._forward([full], lora, keep=len(continuation) + 1)[0, :-1, :]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp.gather(1, torch.tensor(continuation, device=logp.device)[:, None])[:, 0].cpu()
+
+    def sample(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        eos_token_ids: list[int],
+        temperature: float,
+        seed: int | None,
+        lora: str | None,
+    ) -> list[int]:
+        """One generation with the model's KV cache: one forward per new token, not per prefix."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._count([prompt])
+        self._select_adapter(lora)
+        out: list[int] = []
+        past = None
+        step_ids = torch.tensor([prompt], device=self.device)
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                res = self.model(
+                    input_ids=step_ids, past_key_values=past, use_cache=True, logits_to_keep=1
+                )
+                past = res.past_key_values
+                logp = torch.log_softmax(res.logits[0, -1].float(), dim=-1).to(self.dtype)
+                token = draw(logp, temperature, generator)
+                if token in eos_token_ids:
+                    break
+                out.append(token)
+                step_ids = torch.tensor([[token]], device=self.device)
+        return out
+
+    def close(self) -> None:
+        del self.model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def quantization_kwargs(settings: Settings) -> dict[str, Any]:
+    """bitsandbytes loading options (none unless configured)."""
+    return {}
+
+
+def load_adapters(backend: HFBackend, adapters: dict[str, str]) -> set[str]:
+    """Load each ``name=path`` LoRA adapter with peft; a request picks one by name."""
+    if not adapters:
+        return set()
+    try:
+        from peft import PeftModel
+    except ImportError as e:  # pragma: no cover - peft is a declared dependency of LoRA use
+        raise ImportError("LoRA adapters need peft: pip install peft") from e
+    items = list(adapters.items())
+    first_name, first_path = items[0]
+    model = PeftModel.from_pretrained(backend.model, first_path, adapter_name=first_name)
+    for name, path in items[1:]:
+        model.load_adapter(path, adapter_name=name)
+    model.eval()
+    backend.model = model
+    return set(adapters)

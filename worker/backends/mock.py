@@ -1,0 +1,53 @@
+"""Deterministic mock backend: any vocabulary size, no model, seeded by the prompt itself.
+
+Like genlm-backend's ``MockAsyncLM``, the distribution for a prompt is a pure function of its
+token ids, so every worker process returns the same tensor for the same prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from shared.tokenizer import byte_tokenizer
+from worker.backends.base import Backend, ModelInfo
+
+
+class MockBackend(Backend):
+    name = "mock"
+
+    def __init__(self, vocab_size: int, fail_on: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        tokenizer = byte_tokenizer(vocab_size)
+        self.fail_on = fail_on
+        self.info = ModelInfo(
+            name_or_path=f"mock-{vocab_size}",
+            fingerprint=f"mock-v1-{vocab_size}",
+            vocab_size=vocab_size,
+            max_length=1 << 16,
+            eos_token_ids=[vocab_size - 1],
+            bos_token_id=None,
+            dtype="float32",
+            device="cpu",
+            tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+            tokenizer_config={"eos_token": tokenizer.eos_token},
+        )
+
+    def _row(self, ids: list[int], lora: str | None) -> torch.Tensor:
+        if self.fail_on.intersection(ids):
+            raise RuntimeError(f"mock model fails on token ids {sorted(self.fail_on)}")
+        seed_src = repr((ids, lora)).encode()
+        seed = int.from_bytes(hashlib.blake2b(seed_src, digest_size=8).digest(), "little")
+        g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+        return torch.log_softmax(torch.randn(self.info.vocab_size, generator=g) * 3, dim=-1)
+
+    def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        self._count(prompts)
+        return torch.stack([self._row(p, lora) for p in prompts])
+
+    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+        rows = [prompt + continuation[:i] for i in range(len(continuation))]
+        self._count(rows[:1])
+        lp = torch.stack([self._row(r, lora) for r in rows])
+        return lp.gather(1, torch.tensor(continuation).unsqueeze(1)).squeeze(1)

@@ -1,0 +1,401 @@
+"""The stream consumer: read, validate, dedupe, compute, write, acknowledge.
+
+One reader task keeps a buffer of up to ``max_batch`` stream entries filled while the model
+runs in a thread, so Redis I/O for the next batch overlaps the forward pass. A batch runs as
+soon as the model is free; a partly filled one first waits ``max_wait_ms`` for company.
+Entries are acknowledged (and deleted) only after their result is written: a crash leaves them
+pending, and another worker reclaims them (see ``worker.reclaim``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from shared import protocol
+from shared.errors import InvalidRequest, LMPoolError, ProtocolError, error_to_wire
+from shared.keys import GROUP, Keys, request_digest
+from shared.protocol import Request, WireError
+from shared.scripts import FINISH
+from shared.settings import Settings
+from worker.backends.base import Backend
+
+log = logging.getLogger("lmpool.worker")
+BLOCK_MS = 1000
+"""Longest blocking read: also the longest a stop waits for the reader."""
+
+
+@dataclass
+class Entry:
+    """One stream entry as read."""
+
+    stream: str
+    entry_id: str
+    raw: bytes | None
+
+
+@dataclass
+class Job:
+    """One distinct request (a digest) and every stream entry that asked for it."""
+
+    digest: str
+    request: Request
+    entries: list[Entry]
+    result: bytes | None = None
+    error: WireError | None = None
+    cached: bool = False
+    nobody_waits: bool = False
+
+
+@dataclass
+class Stats:
+    """Counters published in the heartbeat."""
+
+    requests: int = 0
+    batches: int = 0
+    computed: int = 0
+    cache_hits: int = 0
+    skipped: int = 0
+    errors: int = 0
+    dead_letters: int = 0
+    busy_s: float = 0.0
+    recent: list[tuple[float, int]] = field(default_factory=list)
+
+    def record_batch(self, n: int) -> None:
+        now = time.monotonic()
+        self.recent.append((now, n))
+        while self.recent and self.recent[0][0] < now - 60:
+            self.recent.pop(0)
+
+    def per_second(self) -> float:
+        """Requests per second over the last minute."""
+        if not self.recent:
+            return 0.0
+        span = max(time.monotonic() - self.recent[0][0], 1.0)
+        return sum(n for _, n in self.recent) / span
+
+
+class Consumer:
+    def __init__(
+        self, redis: Redis, backend: Backend, settings: Settings, consumer_name: str
+    ) -> None:
+        self.redis = redis
+        self.backend = backend
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.model = settings.served_model_name
+        self.streams = self.keys.streams(self.model)
+        self.name = consumer_name
+        self.stats = Stats()
+        self._finish = redis.register_script(FINISH)
+        self._buffer: list[Entry] = []
+        self._have = asyncio.Event()
+        self._room = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._reader_done = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def ensure_groups(self) -> None:
+        """Create the consumer group on each stream; idempotent."""
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    async def run(self) -> None:
+        """Serve until ``stop()``; then finish and acknowledge what was read, and return."""
+        await self.ensure_groups()
+        reader = asyncio.create_task(self._read_loop(), name="lmpool-reader")
+        try:
+            await self._compute_loop()
+        finally:
+            self._stopping.set()
+            await reader
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._room.set()
+
+    def add(self, entries: list[Entry]) -> None:
+        """Queue entries from elsewhere (reclaimed from a dead consumer)."""
+        self._buffer[:0] = entries
+        self._have.set()
+
+    # -- read -----------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                room = self.settings.max_batch - len(self._buffer)
+                if room <= 0:
+                    self._room.clear()
+                    await self._room.wait()
+                    continue
+                entries = await self._read(room)
+                if entries:
+                    self._buffer.extend(entries)
+                    self._have.set()
+        except Exception:
+            log.exception("stream reader failed")
+            raise
+        finally:
+            self._reader_done.set()
+            self._have.set()
+
+    async def _read(self, count: int) -> list[Entry]:
+        """Up to ``count`` new entries, high priority first; blocks briefly when all are empty."""
+        try:
+            for stream in self.streams:
+                reply = await self.redis.xreadgroup(GROUP, self.name, {stream: ">"}, count=count)
+                if reply:
+                    return parse_entries(reply)
+            reply = await self.redis.xreadgroup(
+                GROUP, self.name, dict.fromkeys(self.streams, ">"), count=count, block=BLOCK_MS
+            )
+            return parse_entries(reply)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self.ensure_groups()  # the stream was deleted under us (FLUSHDB, DEL)
+            return []
+
+    # -- compute ------------------------------------------------------------------------
+    async def _compute_loop(self) -> None:
+        while True:
+            if not self._buffer:
+                if self._reader_done.is_set():
+                    return
+                self._have.clear()
+                await self._have.wait()
+                continue
+            if len(self._buffer) < self.settings.max_batch and self.settings.max_wait_ms:
+                await asyncio.sleep(self.settings.max_wait_ms / 1000)
+            batch = self._buffer[: self.settings.max_batch]
+            del self._buffer[: self.settings.max_batch]
+            self._room.set()
+            await asyncio.shield(self.process(batch))
+
+    async def process(self, entries: list[Entry]) -> None:
+        """Answer one batch of entries and acknowledge them."""
+        started = time.monotonic()
+        jobs, dead = self._decode(entries)
+        await self._triage(jobs)
+        todo = [j for j in jobs if j.result is None and j.error is None and not j.nobody_waits]
+        if todo:
+            await asyncio.to_thread(self._compute, todo)
+        await self._write(jobs, dead)
+        self.stats.batches += 1
+        self.stats.requests += len(entries)
+        self.stats.busy_s += time.monotonic() - started
+        self.stats.record_batch(len(entries))
+
+    def _decode(self, entries: list[Entry]) -> tuple[list[Job], list[tuple[Entry, str]]]:
+        """Group entries by digest; undecodable ones go to the dead-letter list with a reason."""
+        jobs: dict[str, Job] = {}
+        dead: list[tuple[Entry, str]] = []
+        for entry in entries:
+            try:
+                if entry.raw is None:
+                    raise ProtocolError("stream entry has no message field")
+                req = protocol.decode_request(entry.raw, self.settings.max_message_bytes)
+            except ProtocolError as e:
+                dead.append((entry, str(e)))
+                continue
+            job = jobs.get(req["digest"])
+            if job is not None:
+                job.entries.append(entry)
+                continue
+            job = jobs[req["digest"]] = Job(req["digest"], req, [entry])
+            try:
+                self._validate(req)
+            except LMPoolError as e:
+                job.error = error_to_wire(e)
+        return list(jobs.values()), dead
+
+    def _validate(self, req: Request) -> None:
+        kind, params = req["kind"], req["params"]
+        if kind not in protocol.KINDS:
+            raise InvalidRequest(f"unknown request kind {kind!r}")
+        self.backend.check_prompt(req["ids"], req["lora"], self.settings.max_prompt_tokens)
+        if kind == "sample":
+            check_sample_params(params, self.backend.info.vocab_size)
+        elif kind == "score":
+            cont = params.get("cont")
+            if not isinstance(cont, list) or not cont:
+                raise InvalidRequest("score needs a non-empty continuation")
+            self.backend.check_prompt(req["ids"] + cont, req["lora"], self.settings.max_prompt_tokens)
+        elif params:
+            raise InvalidRequest(f"logprobs takes no parameters, got {sorted(params)}")
+        expected = request_digest(
+            self.backend.info.fingerprint,
+            kind,
+            req["ids"],
+            req["lora"],
+            protocol.canonical_params(kind, params),
+        )
+        if expected != req["digest"]:
+            raise InvalidRequest(
+                "request digest does not match its content for this worker's model "
+                f"(fingerprint {self.backend.info.fingerprint}): the producer sees other model "
+                "metadata; reconnect it"
+            )
+
+    async def _triage(self, jobs: list[Job]) -> None:
+        """One round trip: which results already exist, and does anyone still wait?"""
+        live = [j for j in jobs if j.error is None]
+        if not live:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job in live:
+            pipe.get(self.keys.result(job.digest))
+            pipe.scard(self.keys.waiters(job.digest))
+        answers = await pipe.execute()
+        for i, job in enumerate(live):
+            cached, waiting = answers[2 * i], answers[2 * i + 1]
+            if cached is not None:
+                job.result, job.cached = cached, True
+                self.stats.cache_hits += 1
+            elif not waiting:
+                job.nobody_waits = True  # every asker timed out or cancelled
+                self.stats.skipped += 1
+
+    def _compute(self, jobs: list[Job]) -> None:
+        """Runs in a worker thread: one forward pass per (kind, adapter) group."""
+        groups: dict[tuple[str, str | None], list[Job]] = defaultdict(list)
+        for job in jobs:
+            groups[(job.request["kind"], job.request["lora"])].append(job)
+        for (kind, lora), group in groups.items():
+            if kind == "logprobs":
+                self._compute_logprobs(group, lora)
+            else:
+                for job in group:
+                    self._run_one(job)
+        self.stats.computed += len(jobs)
+
+    def _compute_logprobs(self, group: list[Job], lora: str | None) -> None:
+        try:
+            rows = self.backend.logprobs([j.request["ids"] for j in group], lora)
+        except Exception:
+            if len(group) == 1:
+                self._run_one(group[0])
+                return
+            log.warning("batch of %d failed; retrying one by one", len(group), exc_info=True)
+            for job in group:
+                self._run_one(job)
+            return
+        for job, row in zip(group, rows, strict=True):
+            job.result = protocol.encode_result(row)
+
+    def _run_one(self, job: Job) -> None:
+        req = job.request
+        params: dict[str, Any] = req["params"]
+        try:
+            if req["kind"] == "logprobs":
+                out = self.backend.logprobs([req["ids"]], req["lora"])[0]
+            elif req["kind"] == "sample":
+                import torch
+
+                tokens = self.backend.sample(
+                    req["ids"],
+                    params["max_tokens"],
+                    params["eos"],
+                    params["temperature"],
+                    params.get("seed"),
+                    req["lora"],
+                )
+                out = torch.tensor(tokens, dtype=torch.int64)
+            else:
+                out = self.backend.score(req["ids"], params["cont"], req["lora"]).float()
+            job.result = protocol.encode_result(out)
+        except Exception as e:
+            log.warning("request %s failed: %r", job.digest, e)
+            job.error = error_to_wire(e)
+            self.stats.errors += 1
+
+    async def _write(self, jobs: list[Job], dead: list[tuple[Entry, str]]) -> None:
+        """One pipeline: results and replies, dead letters, then XACK + XDEL."""
+        ttl_ms = self.settings.result_ttl_s * 1000
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            if job.nobody_waits:
+                result, reply = b"", b""
+            elif job.error is not None:
+                result, reply = b"", protocol.encode_reply(job.digest, error=job.error)
+            else:
+                assert job.result is not None
+                result, reply = job.result, protocol.encode_reply(job.digest, job.result)
+            keys = [
+                self.keys.result(job.digest),
+                self.keys.waiters(job.digest),
+                self.keys.inflight(job.digest),
+            ]
+            await self._finish(keys=keys, args=[result, reply, ttl_ms, ttl_ms], client=pipe)
+        for entry, reason in dead:
+            self._dead_letter(pipe, entry, reason)
+        self._ack(pipe, [e for j in jobs for e in j.entries] + [e for e, _ in dead])
+        await pipe.execute()
+
+    def _dead_letter(self, pipe: Any, entry: Entry, reason: str) -> None:
+        log.warning("dead-lettering %s %s: %s", entry.stream, entry.entry_id, reason)
+        self.stats.dead_letters += 1
+        pipe.xadd(
+            self.keys.dead(self.model),
+            {
+                "stream": entry.stream,
+                "id": entry.entry_id,
+                "reason": reason,
+                "m": entry.raw or b"",
+                "worker": self.name,
+            },
+            maxlen=10_000,
+            approximate=True,
+        )
+
+    @staticmethod
+    def _ack(pipe: Any, entries: list[Entry]) -> None:
+        by_stream: dict[str, list[str]] = defaultdict(list)
+        for e in entries:
+            by_stream[e.stream].append(e.entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
+
+
+def check_sample_params(params: dict[str, Any], vocab_size: int) -> None:
+    max_tokens, eos = params.get("max_tokens"), params.get("eos")
+    temperature, seed = params.get("temperature"), params.get("seed")
+    if type(max_tokens) is not int or not 0 <= max_tokens <= 1_000_000:
+        raise InvalidRequest(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+    if not isinstance(eos, list) or not all(type(t) is int for t in eos):
+        raise InvalidRequest("eos_token_ids must be a list of ints")
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise InvalidRequest(f"temperature must be > 0, got {temperature!r}")
+    if seed is not None and type(seed) is not int:
+        raise InvalidRequest(f"seed must be an int or None, got {seed!r}")
+    if set(params) - {"max_tokens", "eos", "temperature", "seed"}:
+        raise InvalidRequest(f"unknown sample parameters {sorted(params)}")
+
+
+def parse_entries(reply: Any) -> list[Entry]:
+    """Entries from an XREADGROUP / XCLAIM reply (deleted entries come back without fields)."""
+    out: list[Entry] = []
+    for stream, items in reply or []:
+        name = stream.decode() if isinstance(stream, bytes) else stream
+        out.extend(entries_of(name, items))
+    return out
+
+
+def entries_of(stream: str, items: Any) -> list[Entry]:
+    out = []
+    for entry_id, fields in items:
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        out.append(Entry(stream, eid, (fields or {}).get(protocol.MESSAGE_FIELD)))
+    return out
