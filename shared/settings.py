@@ -9,6 +9,7 @@ silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -21,6 +22,7 @@ ENV_PREFIX = "LMPOOL_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 BACKENDS = ("auto", "hf", "vllm", "sglang", "mock")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
 
 
 def _default_cache_dir() -> str:
@@ -46,6 +48,12 @@ class Settings:
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (cuda when available)."""
     dtype: str = "auto"
     """Compute dtype: ``auto`` is float32 on CPU and the model's own dtype on GPU."""
+    quantization: str = "none"
+    """hf backend bitsandbytes loading: ``none``, ``8bit`` or ``4bit``."""
+    engine_options: str = "{}"
+    """JSON object of extra engine arguments for vllm / sglang (e.g. ``{"gpu_memory_utilization": 0.8}``)."""
+    kv_cache_mb: int = 512
+    """hf backend: memory for cached key/value tensors of earlier prompts; 0 turns it off."""
     max_batch: int = 16
     """Most requests read from the stream into one forward pass."""
     max_wait_ms: float = 2.0
@@ -98,6 +106,9 @@ class Settings:
             _check(getattr(self, name) > 0, f"LMPOOL_{name.upper()} must be > 0")
         for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port"):
             _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
+        _check(self.quantization in QUANTIZATIONS, f"LMPOOL_QUANTIZATION must be one of {QUANTIZATIONS}")
+        self.engine_kwargs()  # validates the JSON
+        _check(self.kv_cache_mb >= 0, "LMPOOL_KV_CACHE_MB must be >= 0")
         _check(self.result_ttl_s >= 1, "LMPOOL_RESULT_TTL_S must be >= 1")
         _check(self.mock_vocab_size >= 2, "LMPOOL_MOCK_VOCAB_SIZE must be >= 2")
         _check(self.max_message_bytes >= 1024, "LMPOOL_MAX_MESSAGE_BYTES must be >= 1024")
@@ -121,6 +132,15 @@ class Settings:
             _check(bool(sep and name and path), f"LMPOOL_LORA entry {item!r} is not name=path")
             adapters[name.strip()] = path.strip()
         return adapters
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """``LMPOOL_ENGINE_OPTIONS`` parsed (a JSON object)."""
+        try:
+            value = json.loads(self.engine_options)
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"LMPOOL_ENGINE_OPTIONS is not JSON: {e}") from None
+        _check(isinstance(value, dict), "LMPOOL_ENGINE_OPTIONS must be a JSON object")
+        return dict(value)
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

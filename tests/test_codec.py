@@ -1,0 +1,129 @@
+"""Tensor codec and wire protocol: round trips and every kind of malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from shared import protocol
+from shared.codec import decode_tensor, encode_tensor
+from shared.errors import InvalidRequest, ProtocolError, error_from_wire, error_to_wire
+
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0,), (7,), (3, 5), (2, 3, 4)])
+def test_tensor_round_trip_is_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(shape, generator=g) * 50).to(dtype)
+    back = decode_tensor(msgpack.unpackb(msgpack.packb(encode_tensor(t)), raw=False))
+    assert back.dtype == dtype
+    assert back.shape == t.shape
+    assert torch.equal(back, t)
+
+
+def test_decoded_tensor_is_writable_and_independent() -> None:
+    t = torch.arange(4, dtype=torch.float32)
+    wire = encode_tensor(t)
+    back = decode_tensor(wire)
+    back += 1  # a read-only buffer would raise here
+    assert torch.equal(decode_tensor(wire), t)
+
+
+def test_non_contiguous_and_large_vocab_vectors() -> None:
+    t = torch.randn(8, 49152)[:, ::2]
+    assert torch.equal(decode_tensor(encode_tensor(t)), t)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        {"dtype": "float32", "shape": [2]},
+        {"dtype": "complex64", "shape": [1], "data": b"\0" * 8},
+        {"dtype": "float32", "shape": [3], "data": b"\0" * 8},
+        {"dtype": "float32", "shape": [-1], "data": b""},
+        {"dtype": "float32", "shape": "3", "data": b"\0" * 12},
+        {"dtype": "float32", "shape": [1] * 9, "data": b"\0" * 4},
+        {"dtype": "float32", "shape": [1], "data": "abcd"},
+    ],
+)
+def test_malformed_tensors_raise_protocol_error(bad: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode_tensor(bad)
+
+
+def _request(**changes: object) -> dict:
+    req = {
+        "v": protocol.PROTOCOL_VERSION,
+        "kind": "logprobs",
+        "digest": "d" * 40,
+        "ids": [1, 2, 3],
+        "lora": None,
+        "params": {},
+        "deadline_ms": 1,
+        "client": "c",
+    }
+    req.update(changes)
+    return req
+
+
+def test_request_round_trip() -> None:
+    req = _request(lora="a", params={"cont": [4]})
+    assert protocol.decode_request(protocol.encode_request(req), 1 << 20) == req  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (msgpack.packb(_request(v=99)), "protocol version"),
+        (msgpack.packb(_request(ids="123")), "ids"),
+        (msgpack.packb(_request(extra=1)), "unknown request fields"),
+        (msgpack.packb(_request(lora=3)), "lora"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (msgpack.packb(_request())[:-5], "undecodable"),
+        (b"\xc1", "undecodable"),
+        (b"x" * 5000, "exceeds the limit"),
+    ],
+)
+def test_bad_requests_raise_protocol_error(raw: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode_request(raw, 4096)
+
+
+def test_decoder_caps_declared_lengths() -> None:
+    # A 6-byte message that declares a 4 GiB binary must be refused, not allocated.
+    hostile = b"\xc6\xff\xff\xff\xff" + b"a"
+    with pytest.raises(ProtocolError):
+        protocol.decode_request(hostile, 1024)
+
+
+def test_result_and_reply_round_trip() -> None:
+    t = torch.log_softmax(torch.randn(100), -1)
+    res = protocol.encode_result(t)
+    digest, body = protocol.decode_reply(protocol.encode_reply("abc", res))
+    assert digest == "abc"
+    assert isinstance(body, bytes)
+    assert torch.equal(protocol.decode_result(body), t)
+
+
+def test_error_replies_become_typed_errors() -> None:
+    wire = error_to_wire(InvalidRequest("token id 7 is bad"))
+    digest, err = protocol.decode_reply(protocol.encode_reply("abc", error=wire))
+    assert digest == "abc"
+    assert isinstance(err, InvalidRequest)
+    assert "token id 7" in str(err)
+    assert type(error_from_wire("no-such-code", "x")).__name__ == "LMPoolError"

@@ -1,0 +1,150 @@
+"""The whole request path with the mock backend: real Redis, real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from producer import RemoteLM
+from shared.errors import InvalidRequest, NoWorker, RequestTimeout
+from worker.backends.mock import MockBackend
+
+V = 300
+MODEL = f"mock-{V}"
+pytestmark = pytest.mark.timeout(180)
+
+
+def reference(ids: list[int]) -> torch.Tensor:
+    return MockBackend(V).logprobs([ids], None)[0]
+
+
+@pytest.fixture
+def mock_worker(redis_url: str, workers: Callable[..., Any]) -> Any:
+    return workers(redis_url, backend="mock", mock_vocab_size=V)
+
+
+@pytest.mark.asyncio
+async def test_logprobs_equal_in_process_backend(redis_url: str, mock_worker: Any) -> None:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        got = await lm.next_token_logprobs([1, 2, 3])
+        assert got.shape == (V,)
+        assert torch.equal(got, reference([1, 2, 3]))
+        assert torch.allclose(got.exp().sum(), torch.tensor(1.0), atol=1e-5)
+        batch = await lm.batch_next_token_logprobs([[4], [5, 6], torch.tensor([7, 8, 9])])
+        assert batch.shape == (3, V)
+        for row, ids in zip(batch, [[4], [5, 6], [7, 8, 9]], strict=True):
+            assert torch.equal(row, reference(ids))
+
+
+@pytest.mark.asyncio
+async def test_sync_forms_with_a_running_loop(redis_url: str, mock_worker: Any) -> None:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        one = lm.next_token_logprobs_sync([10, 11])
+        many = lm.batch_next_token_logprobs_sync([[10, 11], [12]])
+        assert torch.equal(one, reference([10, 11]))
+        assert torch.equal(many[1], reference([12]))
+        # The async path agrees and is served from the local cache afterwards.
+        assert torch.equal(await lm.next_token_logprobs([12]), many[1])
+
+
+@pytest.mark.asyncio
+async def test_producer_needs_no_model_files(redis_url: str, mock_worker: Any) -> None:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        assert lm.tokenizer.encode("hé") == [104, 195, 169]
+        assert lm.tokenizer.eos_token_id == V - 1
+        assert lm.eos_token_ids == [V - 1]
+        assert len(lm.byte_vocab) == V
+        assert lm.byte_vocab[104] == b"h" and lm.byte_vocab[104].token_id == 104
+        assert lm.str_vocab[65] == "A"
+
+
+@pytest.mark.asyncio
+async def test_bad_input_is_a_clear_error_and_the_worker_carries_on(
+    redis_url: str, mock_worker: Any
+) -> None:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        for bad in ([], [V], [-1], [1.5], ["a"], [True]):
+            with pytest.raises(InvalidRequest):
+                await lm.next_token_logprobs(bad)
+        with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'nope'"):
+            await lm.next_token_logprobs([1], lora_name="nope")
+        with pytest.raises(InvalidRequest, match="temperature"):
+            await lm.sample([1], 3, [V - 1], temperature=0.0)
+        assert torch.equal(await lm.next_token_logprobs([1]), reference([1]))
+
+
+@pytest.mark.asyncio
+async def test_sampling_is_seeded_and_scoring_matches_logprobs(
+    redis_url: str, mock_worker: Any
+) -> None:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        a = await lm.sample([1, 2], 20, [V - 1], seed=7)
+        lm.clear_cache()
+        b = await lm.sample([1, 2], 20, [V - 1], seed=7)
+        assert a == b and 0 < len(a) <= 20 and V - 1 not in a
+        many = await lm.batch_sample([[1, 2], [3]], 5, [V - 1], seed=7)
+        assert many[0] == a[:5]
+        scores = await lm.score([1, 2], [3, 4])
+        expect = torch.stack([reference([1, 2])[3], reference([1, 2, 3])[4]])
+        assert torch.allclose(scores, expect, atol=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_connect_without_worker_names_the_model(redis_url: str) -> None:
+    with pytest.raises(NoWorker, match="mock-300"):
+        await RemoteLM.connect(redis_url, model=MODEL, connect_timeout_s=0.3)
+
+
+@pytest.mark.asyncio
+async def test_timeout_when_the_worker_is_gone_names_queue_state(
+    redis_url: str, mock_worker: Any
+) -> None:
+    lm = await RemoteLM.connect(redis_url, model=MODEL, timeout_s=1.0)
+    mock_worker.kill()
+    with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s.*high queue 1"):
+        await lm.next_token_logprobs([42, 43])
+    await lm.close()
+
+
+@pytest.mark.asyncio
+async def test_two_workers_two_producers_many_requests_each_computed_once(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    pool = [workers(redis_url, backend="mock", mock_vocab_size=V) for _ in range(2)]
+    distinct = [[i % 250, i // 250, 7] for i in range(240)]
+    lms = [await RemoteLM.connect(redis_url, model=MODEL) for _ in range(2)]
+    # Each producer asks every distinct prompt, some twice, all at once.
+    asks = [(lm, ids) for lm in lms for ids in distinct + distinct[:40]]
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for lm, ids in asks))
+    for (_, ids), got in zip(asks, results, strict=True):
+        assert torch.equal(got, reference(ids))
+    rows = [await w.wait_counter("rows", 1) for w in pool]
+    await asyncio.sleep(0.5)  # two more heartbeats: the counters are final
+    rows = [int(w.info()["rows"]) for w in pool]
+    assert sum(rows) == len(distinct), rows
+    assert all(r > 0 for r in rows), f"both workers should share the load: {rows}"
+    for lm in lms:
+        await lm.close()
+
+
+@pytest.mark.asyncio
+async def test_shared_cache_serves_a_second_producer_without_the_queue(
+    redis_url: str, mock_worker: Any
+) -> None:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as a:
+        first = await a.next_token_logprobs([9, 9, 9])
+    assert await mock_worker.wait_counter("requests", 1) == 1
+    async with await RemoteLM.connect(redis_url, model=MODEL) as b:
+        assert torch.equal(await b.next_token_logprobs([9, 9, 9]), first)
+        await b.next_token_logprobs([9, 9])  # a new prompt: the worker sees exactly this one
+    assert await mock_worker.wait_counter("requests", 2) == 2
+    await asyncio.sleep(0.5)
+    assert mock_worker.info()["requests"] == 2
+    r = redis.Redis.from_url(redis_url)
+    assert len(list(r.scan_iter("lmpool:res:*"))) == 2
+    r.close()

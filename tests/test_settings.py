@@ -1,0 +1,60 @@
+"""Settings: read from LMPOOL_* variables in one place, validated at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import SettingsError
+from shared.settings import DEFAULT_MODEL_NAME, Settings
+
+
+def test_defaults_and_served_name() -> None:
+    s = Settings.from_env({})
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+    assert s.served_model_name == DEFAULT_MODEL_NAME
+    assert Settings.from_env({"LMPOOL_BACKEND": "mock"}).served_model_name == "mock-256"
+    assert Settings.from_env({"LMPOOL_MODEL": "/m/x"}).served_model_name == "/m/x"
+    assert Settings.from_env({"LMPOOL_MODEL_NAME": "n"}).served_model_name == "n"
+
+
+def test_values_are_parsed() -> None:
+    s = Settings.from_env(
+        {
+            "LMPOOL_MAX_BATCH": "32",
+            "LMPOOL_MAX_WAIT_MS": "0.5",
+            "LMPOOL_MAX_QUEUE": "1_000",
+            "LMPOOL_LORA": "a=/x, b=/y",
+            "LMPOOL_ENGINE_OPTIONS": '{"gpu_memory_utilization": 0.5}',
+            "OTHER": "ignored",
+        }
+    )
+    assert (s.max_batch, s.max_wait_ms, s.max_queue) == (32, 0.5, 1000)
+    assert s.lora_adapters() == {"a": "/x", "b": "/y"}
+    assert s.engine_kwargs() == {"gpu_memory_utilization": 0.5}
+
+
+def test_misspelled_setting_is_an_error_naming_the_known_ones() -> None:
+    with pytest.raises(SettingsError, match="LMPOOL_MAXBATCH.*LMPOOL_MAX_BATCH"):
+        Settings.from_env({"LMPOOL_MAXBATCH": "3"})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("LMPOOL_MAX_BATCH", "0"),
+        ("LMPOOL_MAX_BATCH", "many"),
+        ("LMPOOL_BACKEND", "tgi"),
+        ("LMPOOL_DTYPE", "int4"),
+        ("LMPOOL_DEVICE", "tpu"),
+        ("LMPOOL_REDIS_URL", "http://x"),
+        ("LMPOOL_TIMEOUT_S", "-1"),
+        ("LMPOOL_LORA", "noequals"),
+        ("LMPOOL_ENGINE_OPTIONS", "[1]"),
+        ("LMPOOL_ENGINE_OPTIONS", "{bad"),
+        ("LMPOOL_KEY_PREFIX", "a:b"),
+        ("LMPOOL_QUANTIZATION", "2bit"),
+    ],
+)
+def test_bad_values_fail_at_start_up(var: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=var.removeprefix("LMPOOL_").split("_")[0]):
+        Settings.from_env({var: value})
