@@ -112,7 +112,8 @@ class PoolClient:
         else:
             fut.set_exception(error)
             fut.exception()  # retrieved: sharers re-raise it themselves
-        task = asyncio.ensure_future(self.redis.srem(self.keys.waiters(digest), self.reply_key))
+        srem = self.redis.srem(self.keys.waiters(digest), self.reply_key)
+        task = asyncio.ensure_future(srem)  # type: ignore[arg-type]
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _flush(self) -> None:
@@ -129,7 +130,13 @@ class PoolClient:
                     self.keys.inflight(sub.digest),
                     self.keys.stream(self.model, sub.priority),
                 ]
-                args = [self.reply_key, sub.message, ttl_ms, ttl_ms, self.settings.max_queue]
+                args: list[Any] = [
+                    self.reply_key,
+                    sub.message,
+                    ttl_ms,
+                    ttl_ms,
+                    self.settings.max_queue,
+                ]
                 await self._submit(keys=keys, args=args, client=pipe)
             answers = await pipe.execute(raise_on_error=False)
         except Exception as e:  # Redis unreachable: every request of the batch fails clearly
@@ -168,8 +175,12 @@ class PoolClient:
         backoff = 0.05
         while not self._closed:
             try:
-                popped = await self._listen_redis.blmpop(
-                    LISTEN_BLOCK_S, 1, self.reply_key, direction="LEFT", count=REPLIES_PER_POP
+                popped = await self._listen_redis.blmpop(  # type: ignore[misc]
+                    LISTEN_BLOCK_S,
+                    1,
+                    self.reply_key,  # type: ignore[arg-type]
+                    direction="LEFT",
+                    count=REPLIES_PER_POP,
                 )
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
@@ -297,7 +308,11 @@ class SyncSubmitter:
             if left <= 0:
                 raise RequestTimeout(f"no answer from model {c.model!r} within {timeout_s:g}s")
             popped = self.redis.blmpop(
-                min(left, LISTEN_BLOCK_S), 1, self.reply_key, direction="LEFT", count=512
+                min(left, LISTEN_BLOCK_S),
+                1,
+                self.reply_key,  # type: ignore[arg-type]
+                direction="LEFT",
+                count=REPLIES_PER_POP,
             )
             for raw in popped[1] if popped else []:
                 digest, outcome = protocol.decode_reply(raw)
@@ -314,5 +329,3 @@ class SyncSubmitter:
             self.redis.delete(self.reply_key)
         finally:
             self.redis.close()
-
-

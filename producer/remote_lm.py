@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from producer.client import PoolClient
 from shared import protocol, registry
 from shared.cache import OutputCache
 from shared.errors import InvalidRequest, NoWorker
@@ -22,7 +23,6 @@ from shared.keys import request_digest
 from shared.redis_conn import connect_redis
 from shared.settings import Settings
 from shared.tokenizer import tokenizer_from_json
-from producer.client import PoolClient
 
 Ids = Sequence[int] | torch.Tensor
 
@@ -97,7 +97,8 @@ class RemoteLM:
             if self._vocab is None:
                 from shared.vocab import decode_vocab
 
-                self._vocab = decode_vocab(self.tokenizer)
+                byte_vocab, str_vocab = decode_vocab(self.tokenizer)
+                self._vocab = (as_genlm_tokens(byte_vocab), str_vocab)
             return self._vocab
 
     @property
@@ -147,13 +148,13 @@ class RemoteLM:
         cached = self.cache.get(digest)
         if cached is not None:
             return cached
-        result = protocol.decode_result(
-            await self._client.request(digest, message, self.timeout_s)
-        )
+        result = protocol.decode_result(await self._client.request(digest, message, self.timeout_s))
         self.cache[digest] = result
         return result
 
-    async def next_token_logprobs(self, token_ids: Ids, lora_name: str | None = None) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Ids, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Normalized log-probs of the next token, a 1-D tensor of ``vocab_size``."""
         return await self._call("logprobs", token_ids, lora_name, {})
 
@@ -166,7 +167,9 @@ class RemoteLM:
         )
         return torch.stack(rows)
 
-    def next_token_logprobs_sync(self, token_ids: Ids, lora_name: str | None = None) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Ids, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking form; safe with or without a running event loop in this thread."""
         return self.batch_next_token_logprobs_sync([token_ids], lora_name)[0]
 
@@ -277,7 +280,8 @@ async def wait_for_model(settings: Settings, model: str) -> dict[str, Any]:
                 if meta is not None:
                     return meta
             if loop.time() >= deadline:
-                known = sorted(m.decode() for m in await redis.smembers(keys.models))
+                seen = await redis.smembers(keys.models)  # type: ignore[misc]
+                known = sorted(m.decode() for m in seen)
                 raise NoWorker(
                     f"no live worker serves model {model!r} on {_safe_url(settings.redis_url)} "
                     f"after {settings.connect_timeout_s:g}s; models seen: {known or 'none'}. "
@@ -286,6 +290,19 @@ async def wait_for_model(settings: Settings, model: str) -> dict[str, Any]:
             await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
+
+
+def as_genlm_tokens(byte_vocab: list[Any]) -> list[Any]:
+    """genlm-backend's own ``Token`` objects when it is installed, else ours.
+
+    genlm-control tests ``isinstance(t, genlm.backend.tokenization.Token)``; the two classes
+    behave the same, so a program sees identical vocabularies either way.
+    """
+    try:
+        from genlm.backend.tokenization import Token as GenlmToken
+    except Exception:  # not installed, or its optional imports fail: ours will do
+        return byte_vocab
+    return [GenlmToken(t.token_id, bytes(t)) for t in byte_vocab]
 
 
 def _safe_url(url: str) -> str:

@@ -1,4 +1,4 @@
-"""Producer-side output cache, with genlm-backend's ``OutputCache(maxsize, move_to_cpu)`` semantics."""
+"""Producer-side output cache: genlm-backend's ``OutputCache(maxsize, move_to_cpu)``."""
 
 from __future__ import annotations
 

@@ -6,6 +6,17 @@ back into one of these classes on the producer, so callers can ``except`` precis
 
 from __future__ import annotations
 
+from typing import TypedDict
+
+
+class WireError(TypedDict):
+    """An error on the wire."""
+
+    code: str
+    """Error class code (``LMPoolError.code`` of the class to raise)."""
+    message: str
+    """What went wrong, for people."""
+
 
 class LMPoolError(Exception):
     """Base class of every error lmpool raises."""
@@ -89,7 +100,7 @@ def error_from_wire(code: str, message: str) -> LMPoolError:
     return _BY_CODE.get(code, LMPoolError)(message)
 
 
-def error_to_wire(exc: BaseException) -> dict[str, str]:
+def error_to_wire(exc: BaseException) -> WireError:
     """The wire form of an exception: lmpool errors keep their code, others become ``worker``."""
     code = exc.code if isinstance(exc, LMPoolError) else WorkerError.code
     return {"code": code, "message": f"{type(exc).__name__}: {exc}"}

@@ -13,7 +13,7 @@ import msgpack
 import torch
 
 from shared.codec import TensorDict, decode_tensor, encode_tensor
-from shared.errors import LMPoolError, ProtocolError, error_from_wire
+from shared.errors import LMPoolError, ProtocolError, WireError, error_from_wire
 
 PROTOCOL_VERSION = 1
 KINDS = ("logprobs", "sample", "score")
@@ -42,13 +42,6 @@ class Request(TypedDict):
     """Unix time (ms) after which nobody waits for the answer: the worker skips it."""
     client: str
     """Producer connection id, for logs."""
-
-
-class WireError(TypedDict):
-    code: str
-    """Error class code (see ``shared.errors``)."""
-    message: str
-    """What went wrong, for people."""
 
 
 class Reply(TypedDict, total=False):
@@ -121,7 +114,9 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
         raise ProtocolError("request field 'lora' must be a string or nil")
     obj.setdefault("lora", None)
     if set(obj) - set(Request.__annotations__):
-        raise ProtocolError(f"unknown request fields {sorted(set(obj) - set(Request.__annotations__))}")
+        raise ProtocolError(
+            f"unknown request fields {sorted(set(obj) - set(Request.__annotations__))}"
+        )
     return obj  # type: ignore[return-value]
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis.asyncio import Redis
 
 
-def connect_redis(url: str, **kwargs: object) -> Redis:
+def connect_redis(url: str, **kwargs: Any) -> Redis:
     """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, binary replies."""
-    options: dict[str, object] = {"health_check_interval": 30, "socket_keepalive": True}
+    options: dict[str, Any] = {"health_check_interval": 30, "socket_keepalive": True}
     options.update(kwargs)
     return Redis.from_url(url, decode_responses=False, **options)

@@ -119,7 +119,11 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = (self.dir / "server.log").read_text() if (self.dir / "server.log").exists() else ""
+                log = (
+                    (self.dir / "server.log").read_text()
+                    if (self.dir / "server.log").exists()
+                    else ""
+                )
                 raise RuntimeError(f"{self.binary} exited at start: {log[-2000:]}")
             if self._answers():
                 return self

@@ -41,7 +41,7 @@ async def live_workers(redis: Redis, keys: Keys, model: str) -> list[str]:
 
 
 async def read_meta(redis: Redis, keys: Keys, model: str) -> dict[str, Any] | None:
-    raw = await redis.hgetall(keys.meta(model))
+    raw = await redis.hgetall(keys.meta(model))  # type: ignore[misc]
     if not raw:
         return None
     meta = {k.decode(): v.decode() for k, v in raw.items()}
@@ -84,5 +84,5 @@ async def unregister(redis: Redis, keys: Keys, model: str, worker_id: str) -> No
 
 
 async def worker_info(redis: Redis, keys: Keys, worker_id: str) -> dict[str, Any]:
-    raw = await redis.hgetall(keys.worker(worker_id))
+    raw = await redis.hgetall(keys.worker(worker_id))  # type: ignore[misc]
     return {k.decode(): json.loads(v) for k, v in raw.items()}

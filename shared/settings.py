@@ -51,7 +51,7 @@ class Settings:
     quantization: str = "none"
     """hf backend bitsandbytes loading: ``none``, ``8bit`` or ``4bit``."""
     engine_options: str = "{}"
-    """JSON object of extra engine arguments for vllm / sglang (e.g. ``{"gpu_memory_utilization": 0.8}``)."""
+    """JSON object of extra vllm / sglang engine arguments, e.g. ``{"max_model_len": 4096}``."""
     kv_cache_mb: int = 512
     """hf backend: memory for cached key/value tensors of earlier prompts; 0 turns it off."""
     max_batch: int = 16
@@ -106,7 +106,10 @@ class Settings:
             _check(getattr(self, name) > 0, f"LMPOOL_{name.upper()} must be > 0")
         for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port"):
             _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
-        _check(self.quantization in QUANTIZATIONS, f"LMPOOL_QUANTIZATION must be one of {QUANTIZATIONS}")
+        _check(
+            self.quantization in QUANTIZATIONS,
+            f"LMPOOL_QUANTIZATION must be one of {QUANTIZATIONS}",
+        )
         self.engine_kwargs()  # validates the JSON
         _check(self.kv_cache_mb >= 0, "LMPOOL_KV_CACHE_MB must be >= 0")
         _check(self.result_ttl_s >= 1, "LMPOOL_RESULT_TTL_S must be >= 1")
@@ -147,7 +150,7 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Build settings from ``LMPOOL_*`` variables; keyword overrides win over the environment."""
+        """Settings from ``LMPOOL_*`` variables; keyword overrides win over the environment."""
         env = os.environ if environ is None else environ
         hints = get_type_hints(cls)
         known = {f.name for f in fields(cls)}
@@ -183,3 +186,31 @@ def _parse(var: str, raw: str, kind: Any) -> Any:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise SettingsError(message)
+
+
+def settings_table() -> str:
+    """Markdown table of every setting, its default and its meaning (README's settings table)."""
+    import ast
+    import inspect
+
+    # Field docstrings are string expressions right after each field: read them from the source.
+    tree = ast.parse(inspect.getsource(Settings))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    defaults = Settings()
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for f in fields(Settings):
+        default = getattr(defaults, f.name)
+        shown = "~/.cache/lmpool" if f.name == "cache_dir" else default
+        doc = docs.get(f.name, "").replace("|", "\\|")
+        cell = f"`{shown}`" if shown != "" else "(empty)"
+        rows.append(f"| `{ENV_PREFIX}{f.name.upper()}` | {cell} | {doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_table())

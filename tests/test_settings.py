@@ -34,7 +34,7 @@ def test_values_are_parsed() -> None:
 
 
 def test_misspelled_setting_is_an_error_naming_the_known_ones() -> None:
-    with pytest.raises(SettingsError, match="LMPOOL_MAXBATCH.*LMPOOL_MAX_BATCH"):
+    with pytest.raises(SettingsError, match=r"LMPOOL_MAXBATCH.*LMPOOL_MAX_BATCH"):
         Settings.from_env({"LMPOOL_MAXBATCH": "3"})
 
 

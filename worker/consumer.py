@@ -20,9 +20,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import protocol
-from shared.errors import InvalidRequest, LMPoolError, ProtocolError, error_to_wire
+from shared.errors import InvalidRequest, LMPoolError, ProtocolError, WireError, error_to_wire
 from shared.keys import GROUP, Keys, request_digest
-from shared.protocol import Request, WireError
+from shared.protocol import Request
 from shared.scripts import FINISH
 from shared.settings import Settings
 from worker.backends.base import Backend
@@ -231,7 +231,9 @@ class Consumer:
             cont = params.get("cont")
             if not isinstance(cont, list) or not cont:
                 raise InvalidRequest("score needs a non-empty continuation")
-            self.backend.check_prompt(req["ids"] + cont, req["lora"], self.settings.max_prompt_tokens)
+            self.backend.check_prompt(
+                req["ids"] + cont, req["lora"], self.settings.max_prompt_tokens
+            )
         elif params:
             raise InvalidRequest(f"logprobs takes no parameters, got {sorted(params)}")
         expected = request_digest(

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from importlib import util as importlib_util
 from pathlib import Path
+from typing import Any
 
 from shared.errors import SettingsError
 
@@ -78,7 +79,7 @@ def converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     log.info("converting %s to an HF checkpoint under %s (once)", gguf, target)
     import torch
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -53,13 +53,13 @@ class PoolWorker:
         """Publish model metadata; refuse to mix different weights under one model name."""
         meta = dataclasses.asdict(self.backend.info)
         old = await registry.read_meta(self.redis, self.keys, self.model)
-        if old and old.get("fingerprint") != meta["fingerprint"]:
-            if await registry.live_workers(self.redis, self.keys, self.model):
-                raise SettingsError(
-                    f"model name {self.model!r} is served by live workers with fingerprint "
-                    f"{old.get('fingerprint')}, this worker has {meta['fingerprint']}: "
-                    "set LMPOOL_MODEL_NAME to tell them apart"
-                )
+        clash = old is not None and old.get("fingerprint") != meta["fingerprint"]
+        if clash and await registry.live_workers(self.redis, self.keys, self.model):
+            raise SettingsError(
+                f"model name {self.model!r} is served by live workers with fingerprint "
+                f"{old and old.get('fingerprint')}, this worker has {meta['fingerprint']}: "
+                "set LMPOOL_MODEL_NAME to tell them apart"
+            )
         meta["backend"] = self.backend.name
         await registry.write_meta(self.redis, self.keys, self.model, meta)
 

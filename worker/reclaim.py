@@ -52,7 +52,7 @@ async def reclaim_once(consumer: Consumer) -> int:
 
 async def _claim(consumer: Consumer, stream: str, ids: list[str], idle_ms: int) -> list[Entry]:
     items = await consumer.redis.xclaim(
-        stream, GROUP, consumer.name, min_idle_time=idle_ms, message_ids=ids
+        stream, GROUP, consumer.name, min_idle_time=idle_ms, message_ids=list[Any](ids)
     )
     return entries_of(stream, [(i, f) for i, f in items if i is not None])
 

@@ -30,6 +30,10 @@ def load_backend(settings: Settings) -> Backend:
         from worker.backends.hf import HFBackend
 
         return HFBackend(settings)
+    if name == "vllm":
+        from worker.backends.vllm import VLLMBackend
+
+        return VLLMBackend(settings)
     raise SettingsError(f"LMPOOL_BACKEND={name} is not available in this build")
 
 

