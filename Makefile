@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 # The CPU build of torch; on a CUDA machine: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
+CODE = shared worker producer tests bench
 
 .PHONY: install demo test test-gpu lint bench clean
 
@@ -29,8 +30,8 @@ test-gpu: install
 	$(BIN)/python -m pytest -m gpu -p no:cacheprovider
 
 lint: install
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check $(CODE)
+	$(BIN)/ruff format --check $(CODE)
 	$(BIN)/mypy
 
 bench: install

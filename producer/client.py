@@ -17,13 +17,11 @@ from typing import Any
 
 import redis as sync_redis
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import protocol, registry
 from shared.errors import LMPoolError, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
-from shared.redis_conn import connect_redis
+from shared.redis_conn import TRANSIENT, Backoff, connect_redis
 from shared.scripts import SUBMIT
 from shared.settings import Settings
 
@@ -56,17 +54,22 @@ class PoolClient:
         )
         self._submit = self.redis.register_script(SUBMIT)
         self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._messages: dict[str, tuple[bytes, float]] = {}
+        """Message and last submission time of each pending digest, for re-sending."""
         self._waiting: dict[str, int] = {}
         self._queue: list[Submission] = []
         self._flush_task: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._resender: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._backoff = Backoff()
         self._closed = False
         self._sync: SyncSubmitter | None = None
 
     def start(self) -> None:
         if self._listener is None:
             self._listener = asyncio.create_task(self._listen(), name="lmpool-listener")
+            self._resender = asyncio.create_task(self._resend_loop(), name="lmpool-resend")
 
     # -- submit ---------------------------------------------------------------------------
     async def request(self, digest: str, message: bytes, timeout_s: float) -> bytes:
@@ -79,9 +82,7 @@ class PoolClient:
             fut = asyncio.get_running_loop().create_future()
             fut.add_done_callback(lambda _f: self._slots.release())
             self._pending[digest] = fut
-            self._queue.append(Submission(digest, message, fut, self.priority))
-            if self._flush_task is None:
-                self._flush_task = asyncio.create_task(self._flush())
+            self._enqueue(Submission(digest, message, fut, self.priority))
         self._waiting[digest] = self._waiting.get(digest, 0) + 1
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
@@ -107,6 +108,7 @@ class PoolClient:
         if self._pending.get(digest) is not fut or fut.done():
             return
         del self._pending[digest]
+        self._messages.pop(digest, None)
         if error is None:
             fut.cancel()
         else:
@@ -116,13 +118,33 @@ class PoolClient:
         task = asyncio.ensure_future(srem)  # type: ignore[arg-type]
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    def _enqueue(self, sub: Submission) -> None:
+        self._messages[sub.digest] = (sub.message, time.monotonic())
+        self._queue.append(sub)
+        if self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush())
+
+    async def _resend_loop(self) -> None:
+        """Submit again what has waited ``resend_s``: a no-op unless Redis lost the message."""
+        period = self.settings.resend_s
+        while not self._closed:
+            await asyncio.sleep(period / 4)
+            now = time.monotonic()
+            for digest, fut in list(self._pending.items()):
+                message, sent_at = self._messages.get(digest, (b"", now))
+                if message and now - sent_at >= period and not fut.done():
+                    self._enqueue(Submission(digest, message, fut, self.priority))
+
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let every request of this tick join the pipeline
         batch, self._queue = self._queue, []
         self._flush_task = None
+        batch = [sub for sub in batch if not sub.future.done()]
+        if not batch:
+            return
         try:
             pipe = self.redis.pipeline(transaction=False)
-            ttl_ms = int(self.settings.timeout_s * 1000) + 60_000
+            ttl_ms = int(self.settings.timeout_s * 1000) + 5_000
             for sub in batch:
                 keys = [
                     self.keys.result(sub.digest),
@@ -139,12 +161,19 @@ class PoolClient:
                 ]
                 await self._submit(keys=keys, args=args, client=pipe)
             answers = await pipe.execute(raise_on_error=False)
-        except Exception as e:  # Redis unreachable: every request of the batch fails clearly
+        except TRANSIENT as e:
+            # Redis unreachable: keep the requests; they go again until their own timeout.
+            wait = self._backoff.step()
+            log.warning("cannot submit to Redis (%r); retrying in %.2fs", e, wait)
+            await asyncio.sleep(wait)
             for sub in batch:
-                self._fail(sub.digest, sub.future, LMPoolError(f"cannot submit to Redis: {e!r}"))
+                self._enqueue(sub)
             return
+        self._backoff.reset()
         for sub, answer in zip(batch, answers, strict=True):
-            if isinstance(answer, Exception):
+            if isinstance(answer, TRANSIENT):
+                self._enqueue(sub)
+            elif isinstance(answer, Exception):
                 self._fail(sub.digest, sub.future, LMPoolError(f"submit failed: {answer!r}"))
             elif answer[0] == 1:
                 self._resolve(sub.digest, sub.future, answer[1])
@@ -161,18 +190,20 @@ class PoolClient:
     def _resolve(self, digest: str, fut: asyncio.Future[bytes], result: bytes) -> None:
         if self._pending.get(digest) is fut:
             del self._pending[digest]
+            self._messages.pop(digest, None)
         if not fut.done():
             fut.set_result(result)
 
     def _fail(self, digest: str, fut: asyncio.Future[bytes], exc: BaseException) -> None:
         if self._pending.get(digest) is fut:
             del self._pending[digest]
+            self._messages.pop(digest, None)
         if not fut.done():
             fut.set_exception(exc)
 
     # -- replies --------------------------------------------------------------------------
     async def _listen(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._closed:
             try:
                 popped = await self._listen_redis.blmpop(  # type: ignore[misc]
@@ -182,13 +213,13 @@ class PoolClient:
                     direction="LEFT",
                     count=REPLIES_PER_POP,
                 )
-                backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                backoff.reset()
+            except TRANSIENT as e:
                 if self._closed:
                     return
-                log.warning("reply listener lost Redis (%r); reconnecting in %.2fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                wait = backoff.step()
+                log.warning("reply listener lost Redis (%r); reconnecting in %.2fs", e, wait)
+                await asyncio.sleep(wait)
                 continue
             if popped:
                 for raw in popped[1]:
@@ -249,9 +280,10 @@ class PoolClient:
         self._closed = True
         pending = list(self._pending)
         self.reset()
-        if self._listener is not None:
-            self._listener.cancel()
-            await asyncio.gather(self._listener, return_exceptions=True)
+        tasks = [t for t in (self._listener, self._resender, self._flush_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         try:
             pipe = self.redis.pipeline(transaction=False)
             for digest in pending:
@@ -281,7 +313,7 @@ class SyncSubmitter:
 
     def request_many(self, items: list[tuple[str, bytes]], timeout_s: float) -> dict[str, bytes]:
         c = self.client
-        ttl_ms = int(timeout_s * 1000) + 60_000
+        ttl_ms = int(timeout_s * 1000) + 5_000
         pipe = self.redis.pipeline(transaction=False)
         for digest, message in items:
             keys = [

@@ -87,6 +87,8 @@ class RemoteLM:
         )
         name = model or settings.served_model_name
         meta = await wait_for_model(settings, name)
+        if "max_queue" in meta:  # the pool's bound, set by its workers
+            settings = settings.replace(max_queue=int(meta["max_queue"]))
         client = PoolClient(settings, name, priority)
         client.start()
         return cls(client, meta, settings.timeout_s, cache_size)

@@ -17,6 +17,7 @@ key                        type     holds
 ``P:fly:D``                string   marks digest ``D`` as queued, so it is queued only once
 ``P:reply:C``              list     replies for producer connection ``C``
 ``P:arq``                  arq      arq's job queue (offline jobs)
+``P:job:J``                hash     progress of offline job ``J`` (``score_file``; expires)
 =========================  =======  ==========================================================
 """
 
@@ -80,6 +81,10 @@ class Keys:
 
     def reply(self, client_id: str) -> str:
         return self._k("reply", client_id)
+
+    def job_progress(self, job_id: str) -> str:
+        """Hash of an offline job's progress: done, total, failed, rate, updated_at, state."""
+        return self._k("job", job_id)
 
 
 def request_digest(

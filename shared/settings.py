@@ -66,6 +66,9 @@ class Settings:
     """Producer: seconds a request waits for its answer before ``RequestTimeout``."""
     connect_timeout_s: float = 30.0
     """Producer: seconds ``RemoteLM.connect`` waits for a live worker of the model."""
+    resend_s: float = 15.0
+    """Producer: re-submit a request still unanswered after this long. Submitting is
+    idempotent, so this only matters when Redis lost the message (a restart without AOF)."""
     max_in_flight: int = 4096
     """Producer: most requests one producer has queued and unanswered at once."""
     max_queue: int = 100_000
@@ -80,6 +83,12 @@ class Settings:
     """Largest request message a worker decodes."""
     mock_vocab_size: int = 256
     """Vocabulary size of the ``mock`` backend."""
+    mock_delay_ms: float = 0.0
+    """mock backend: pretend each batch takes this long plus 0.1 ms per row (load tests)."""
+    mock_fail_on: str = ""
+    """mock backend: comma-separated token ids that make it raise (fault tests)."""
+    mock_crash_on: str = ""
+    """mock backend: comma-separated token ids that make the worker process die (fault tests)."""
     lora: str = ""
     """LoRA adapters the worker loads: ``name=path,name2=path2``."""
     cache_dir: str = field(default_factory=_default_cache_dir)
@@ -102,7 +111,7 @@ class Settings:
         )
         for name in ("max_batch", "max_in_flight", "max_queue", "max_deliveries"):
             _check(getattr(self, name) >= 1, f"LMPOOL_{name.upper()} must be >= 1")
-        for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "claim_after_s"):
+        for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "claim_after_s", "resend_s"):
             _check(getattr(self, name) > 0, f"LMPOOL_{name.upper()} must be > 0")
         for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port"):
             _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
@@ -117,6 +126,9 @@ class Settings:
         _check(self.max_message_bytes >= 1024, "LMPOOL_MAX_MESSAGE_BYTES must be >= 1024")
         _check(bool(self.key_prefix) and ":" not in self.key_prefix, "bad LMPOOL_KEY_PREFIX")
         self.lora_adapters()  # validates the syntax
+        self.id_list("mock_fail_on")
+        self.id_list("mock_crash_on")
+        _check(self.mock_delay_ms >= 0, "LMPOOL_MOCK_DELAY_MS must be >= 0")
 
     @property
     def served_model_name(self) -> str:
@@ -135,6 +147,14 @@ class Settings:
             _check(bool(sep and name and path), f"LMPOOL_LORA entry {item!r} is not name=path")
             adapters[name.strip()] = path.strip()
         return adapters
+
+    def id_list(self, name: str) -> frozenset[int]:
+        """A comma-separated integer setting (``mock_fail_on``, ``mock_crash_on``) as a set."""
+        raw = str(getattr(self, name))
+        try:
+            return frozenset(int(x) for x in raw.split(",") if x.strip())
+        except ValueError:
+            raise SettingsError(f"LMPOOL_{name.upper()}={raw!r} is not a list of ints") from None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``LMPOOL_ENGINE_OPTIONS`` parsed (a JSON object)."""
@@ -192,15 +212,16 @@ def settings_table() -> str:
     """Markdown table of every setting, its default and its meaning (README's settings table)."""
     import ast
     import inspect
+    import itertools
 
     # Field docstrings are string expressions right after each field: read them from the source.
     tree = ast.parse(inspect.getsource(Settings))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    for node, nxt in itertools.pairwise(body):
+        field_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and field_doc:
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
     defaults = Settings()
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for f in fields(Settings):

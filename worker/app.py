@@ -14,10 +14,15 @@ from typing import Any
 
 import msgpack
 from arq.connections import RedisSettings
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.keys import Keys
 from shared.logs import setup_logging
 from shared.settings import Settings
+from worker.jobs import score_file
 
 log = logging.getLogger("lmpool.worker")
 
@@ -56,13 +61,21 @@ _packb = functools.partial(msgpack.packb, use_bin_type=True)
 _unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=False)
 
 
+def redis_settings(url: str) -> RedisSettings:
+    """arq's connection settings, retrying through short Redis outages instead of exiting."""
+    settings = RedisSettings.from_dsn(url)
+    settings.retry_on_error = [RedisConnectionError, RedisTimeoutError]
+    settings.retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=12)
+    return settings
+
+
 class WorkerSettings:
     """arq settings; every value comes from ``LMPOOL_*`` variables (see README)."""
 
-    functions = [pool_info]
+    functions = [pool_info, score_file]
     on_startup = startup
     on_shutdown = shutdown
-    redis_settings = RedisSettings.from_dsn(_SETTINGS.redis_url)
+    redis_settings = redis_settings(_SETTINGS.redis_url)
     queue_name = Keys(_SETTINGS.key_prefix).arq_queue
     job_serializer = _packb
     job_deserializer = _unpackb

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from shared import protocol
 from shared.errors import InvalidRequest, LMPoolError, ProtocolError, WireError, error_to_wire
 from shared.keys import GROUP, Keys, request_digest
 from shared.protocol import Request
+from shared.redis_conn import TRANSIENT, Backoff
 from shared.scripts import FINISH
 from shared.settings import Settings
 from worker.backends.base import Backend
@@ -96,6 +98,7 @@ class Consumer:
         self.stats = Stats()
         self._finish = redis.register_script(FINISH)
         self._buffer: list[Entry] = []
+        self._reclaimable: list[tuple[str, str]] = []
         self._have = asyncio.Event()
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -125,13 +128,28 @@ class Consumer:
         self._stopping.set()
         self._room.set()
 
-    def add(self, entries: list[Entry]) -> None:
-        """Queue entries from elsewhere (reclaimed from a dead consumer)."""
-        self._buffer[:0] = entries
+    def add_reclaimable(self, stream: str, entry_ids: list[str]) -> None:
+        """Queue entries of a dead consumer, to be claimed and run one at a time.
+
+        One of them may be what killed that consumer. Each is claimed only just before it runs,
+        alone: if it kills this worker too, only its own delivery count grows, so it reaches
+        the dead-letter stream without dragging its innocent batch mates along.
+        """
+        queued = set(self._reclaimable)
+        self._reclaimable.extend((stream, i) for i in entry_ids if (stream, i) not in queued)
         self._have.set()
+
+    async def claim(self, stream: str, entry_ids: list[str]) -> list[Entry]:
+        """Take entries over from whichever consumer holds them, if still idle long enough."""
+        idle_ms = int(self.settings.claim_after_s * 1000)
+        items = await self.redis.xclaim(
+            stream, GROUP, self.name, min_idle_time=idle_ms, message_ids=list[Any](entry_ids)
+        )
+        return entries_of(stream, [(i, f) for i, f in items if i is not None])
 
     # -- read -----------------------------------------------------------------------------
     async def _read_loop(self) -> None:
+        backoff = Backoff()
         try:
             while not self._stopping.is_set():
                 room = self.settings.max_batch - len(self._buffer)
@@ -139,7 +157,14 @@ class Consumer:
                     self._room.clear()
                     await self._room.wait()
                     continue
-                entries = await self._read(room)
+                try:
+                    entries = await self._read(room)
+                except TRANSIENT as e:
+                    wait = backoff.step()
+                    log.warning("Redis unreachable while reading (%r); retry in %.2fs", e, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                backoff.reset()
                 if entries:
                     self._buffer.extend(entries)
                     self._have.set()
@@ -170,6 +195,9 @@ class Consumer:
     # -- compute ------------------------------------------------------------------------
     async def _compute_loop(self) -> None:
         while True:
+            if self._reclaimable:
+                await asyncio.shield(self._process_reclaimed(*self._reclaimable.pop(0)))
+                continue
             if not self._buffer:
                 if self._reader_done.is_set():
                     return
@@ -183,19 +211,49 @@ class Consumer:
             self._room.set()
             await asyncio.shield(self.process(batch))
 
+    async def _process_reclaimed(self, stream: str, entry_id: str) -> None:
+        claimed: list[Entry] = []
+
+        async def claim_it() -> None:
+            claimed[:] = await self.claim(stream, [entry_id])
+
+        if await self._until_done(claim_it) and claimed:
+            log.warning("reclaimed %s %s from a dead consumer", stream, entry_id)
+            await self.process(claimed)
+
     async def process(self, entries: list[Entry]) -> None:
         """Answer one batch of entries and acknowledge them."""
         started = time.monotonic()
         jobs, dead = self._decode(entries)
-        await self._triage(jobs)
+        if not await self._until_done(lambda: self._triage(jobs)):
+            return
         todo = [j for j in jobs if j.result is None and j.error is None and not j.nobody_waits]
         if todo:
             await asyncio.to_thread(self._compute, todo)
-        await self._write(jobs, dead)
+        if not await self._until_done(lambda: self._write(jobs, dead)):
+            return
         self.stats.batches += 1
         self.stats.requests += len(entries)
         self.stats.busy_s += time.monotonic() - started
         self.stats.record_batch(len(entries))
+
+    async def _until_done(self, step: Callable[[], Awaitable[None]]) -> bool:
+        """Run a Redis step until it succeeds, riding out outages; False if stopped meanwhile.
+
+        Giving up leaves the entries pending: another worker reclaims them later.
+        """
+        backoff = Backoff()
+        while True:
+            try:
+                await step()
+                return True
+            except TRANSIENT as e:
+                if self._stopping.is_set() and self._reader_done.is_set():
+                    log.error("Redis unreachable at shutdown (%r): entries stay pending", e)
+                    return False
+                wait = backoff.step()
+                log.warning("Redis unreachable (%r); retry in %.2fs", e, wait)
+                await asyncio.sleep(wait)
 
     def _decode(self, entries: list[Entry]) -> tuple[list[Job], list[tuple[Entry, str]]]:
         """Group entries by digest; undecodable ones go to the dead-letter list with a reason."""

@@ -61,6 +61,7 @@ class PoolWorker:
                 "set LMPOOL_MODEL_NAME to tell them apart"
             )
         meta["backend"] = self.backend.name
+        meta["max_queue"] = self.settings.max_queue
         await registry.write_meta(self.redis, self.keys, self.model, meta)
 
     def describe(self) -> dict[str, Any]:

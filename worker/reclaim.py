@@ -16,13 +16,13 @@ from typing import Any
 from shared import protocol
 from shared.errors import DeadLettered, ProtocolError, error_to_wire
 from shared.keys import GROUP
-from worker.consumer import Consumer, Entry, Job, entries_of
+from worker.consumer import Consumer, Entry, Job
 
 log = logging.getLogger("lmpool.worker")
 
 
 async def reclaim_once(consumer: Consumer) -> int:
-    """One scan of every stream; returns how many messages were taken over."""
+    """One scan of every stream; returns how many messages were queued for taking over."""
     s = consumer.settings
     idle_ms = int(s.claim_after_s * 1000)
     taken = 0
@@ -40,21 +40,12 @@ async def reclaim_once(consumer: Consumer) -> int:
             if p["times_delivered"] >= s.max_deliveries
         }
         if retry:
-            claimed = await _claim(consumer, stream, retry, idle_ms)
-            log.warning("reclaimed %d messages of dead consumers on %s", len(claimed), stream)
-            consumer.add(claimed)
-            taken += len(claimed)
+            consumer.add_reclaimable(stream, retry)
+            taken += len(retry)
         if doomed:
-            claimed = await _claim(consumer, stream, list(doomed), idle_ms)
+            claimed = await consumer.claim(stream, list(doomed))
             await dead_letter(consumer, claimed, doomed)
     return taken
-
-
-async def _claim(consumer: Consumer, stream: str, ids: list[str], idle_ms: int) -> list[Entry]:
-    items = await consumer.redis.xclaim(
-        stream, GROUP, consumer.name, min_idle_time=idle_ms, message_ids=list[Any](ids)
-    )
-    return entries_of(stream, [(i, f) for i, f in items if i is not None])
 
 
 async def dead_letter(consumer: Consumer, entries: list[Entry], deliveries: dict[str, int]) -> None:

@@ -25,7 +25,12 @@ def load_backend(settings: Settings) -> Backend:
     if name == "mock":
         from worker.backends.mock import MockBackend
 
-        return MockBackend(settings.mock_vocab_size)
+        return MockBackend(
+            settings.mock_vocab_size,
+            fail_on=settings.id_list("mock_fail_on"),
+            crash_on=settings.id_list("mock_crash_on"),
+            delay_ms=settings.mock_delay_ms,
+        )
     if name == "hf":
         from worker.backends.hf import HFBackend
 

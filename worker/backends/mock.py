@@ -7,6 +7,8 @@ token ids, so every worker process returns the same tensor for the same prompt.
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 
 import torch
 
@@ -17,10 +19,18 @@ from worker.backends.base import Backend, ModelInfo
 class MockBackend(Backend):
     name = "mock"
 
-    def __init__(self, vocab_size: int, fail_on: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        fail_on: frozenset[int] = frozenset(),
+        crash_on: frozenset[int] = frozenset(),
+        delay_ms: float = 0.0,
+    ) -> None:
         super().__init__()
         tokenizer = byte_tokenizer(vocab_size)
         self.fail_on = fail_on
+        self.crash_on = crash_on
+        self.delay_ms = delay_ms
         self.info = ModelInfo(
             name_or_path=f"mock-{vocab_size}",
             fingerprint=f"mock-v1-{vocab_size}",
@@ -35,6 +45,8 @@ class MockBackend(Backend):
         )
 
     def _row(self, ids: list[int], lora: str | None) -> torch.Tensor:
+        if self.crash_on.intersection(ids):
+            os._exit(70)  # a model that takes the whole process down (segfault, OOM kill)
         if self.fail_on.intersection(ids):
             raise RuntimeError(f"mock model fails on token ids {sorted(self.fail_on)}")
         seed_src = repr((ids, lora)).encode()
@@ -43,6 +55,8 @@ class MockBackend(Backend):
         return torch.log_softmax(torch.randn(self.info.vocab_size, generator=g) * 3, dim=-1)
 
     def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        if self.delay_ms:
+            time.sleep((self.delay_ms + 0.1 * len(prompts)) / 1000)
         self._count(prompts)
         return torch.stack([self._row(p, lora) for p in prompts])
 
