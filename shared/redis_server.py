@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -68,6 +69,7 @@ class RedisServer:
         appendonly: bool = False,
         acl_lines: list[str] | None = None,
         maxmemory_mb: int = 0,
+        tls: bool = False,
         binary: str | None = None,
     ) -> None:
         self.binary = binary or find_server_binary()
@@ -76,16 +78,35 @@ class RedisServer:
         self.appendonly = appendonly
         self.acl_lines = acl_lines or []
         self.maxmemory_mb = maxmemory_mb
+        self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="lmpool-redis-"))
+        if tls:
+            self._make_certificate()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return self._url(f":{self.password}@" if self.password else "")
 
     def url_for(self, user: str, password: str) -> str:
-        return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
+        return self._url(f"{user}:{password}@")
+
+    def _url(self, auth: str) -> str:
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.dir / 'cert.pem'}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _make_certificate(self) -> None:
+        """A self-signed certificate for 127.0.0.1 (needs the ``openssl`` command)."""
+        subprocess.run(
+            [
+                "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                "-keyout", str(self.dir / "key.pem"), "-out", str(self.dir / "cert.pem"),
+                "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
 
     def _args(self) -> list[str]:
         args = [
@@ -99,6 +120,15 @@ class RedisServer:
             "--logfile", str(self.dir / "server.log"),
             "--daemonize", "no",
         ]  # fmt: skip
+        if self.tls:
+            args[args.index("--port") + 1] = "0"
+            args += [
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.dir / "cert.pem"),
+                "--tls-key-file", str(self.dir / "key.pem"),
+                "--tls-ca-cert-file", str(self.dir / "cert.pem"),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
         if self.acl_lines:
@@ -133,7 +163,11 @@ class RedisServer:
 
     def _answers(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls:
+                    ctx = ssl.create_default_context(cafile=str(self.dir / "cert.pem"))
+                    s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 return reply.startswith((b"+PONG", b"-NOAUTH"))

@@ -127,3 +127,66 @@ def test_error_replies_become_typed_errors() -> None:
     assert isinstance(err, InvalidRequest)
     assert "token id 7" in str(err)
     assert type(error_from_wire("no-such-code", "x")).__name__ == "LMPoolError"
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.binary(max_size=300))
+def test_fuzz_random_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
+    try:
+        req = protocol.decode_request(data, 4096)
+    except ProtocolError:
+        return
+    assert req["v"] == protocol.PROTOCOL_VERSION
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "v": st.one_of(st.just(protocol.PROTOCOL_VERSION), _values),
+            "kind": _values,
+            "digest": _values,
+            "ids": _values,
+            "lora": _values,
+            "params": _values,
+            "deadline_ms": _values,
+            "client": _values,
+        },
+    )
+)
+def test_fuzz_structured_messages_never_crash_the_decoder(obj: dict) -> None:
+    try:
+        req = protocol.decode_request(msgpack.packb(obj, use_bin_type=True), 4096)
+    except ProtocolError:
+        return
+    assert isinstance(req["ids"], list) and isinstance(req["digest"], str)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(_values)
+def test_fuzz_tensor_decoder(obj: object) -> None:
+    try:
+        decode_tensor(obj)
+    except ProtocolError:
+        pass

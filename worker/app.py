@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import msgpack
 from arq.connections import RedisSettings
@@ -64,6 +65,11 @@ _unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=False)
 def redis_settings(url: str) -> RedisSettings:
     """arq's connection settings, retrying through short Redis outages instead of exiting."""
     settings = RedisSettings.from_dsn(url)
+    query = parse_qs(urlparse(url).query)
+    if "ssl_ca_certs" in query:  # rediss://...?ssl_ca_certs=/path/ca.pem, as redis-py reads it
+        settings.ssl_ca_certs = query["ssl_ca_certs"][0]
+    if "ssl_cert_reqs" in query:
+        settings.ssl_cert_reqs = query["ssl_cert_reqs"][0]
     settings.retry_on_error = [RedisConnectionError, RedisTimeoutError]
     settings.retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=12)
     return settings

@@ -1,0 +1,89 @@
+"""AUTH, ACL users per tenant, TLS: the pool works under least privilege and nothing leaks."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import torch
+from redis.exceptions import AuthenticationError, NoPermissionError
+
+from producer import RemoteLM
+from shared.acl import producer_rule, worker_rule
+from shared.redis_server import RedisServer
+from worker.backends.mock import MockBackend
+
+V = 300
+MODEL = f"mock-{V}"
+pytestmark = pytest.mark.timeout(180)
+
+
+def reference(ids: list[int]) -> torch.Tensor:
+    return MockBackend(V).logprobs([ids], None)[0]
+
+
+@pytest.mark.asyncio
+async def test_tenants_under_acl_rules_cannot_read_each_other(
+    workers: Callable[..., Any],
+) -> None:
+    rules = [
+        worker_rule("wa", "pwa", "ta"),
+        producer_rule("pa", "ppa", "ta"),
+        worker_rule("wb", "pwb", "tb"),
+        producer_rule("pb", "ppb", "tb"),
+    ]
+    with RedisServer(password="admin", acl_lines=rules) as server:
+        workers(server.url_for("wa", "pwa"), backend="mock", mock_vocab_size=V, key_prefix="ta")
+        workers(server.url_for("wb", "pwb"), backend="mock", mock_vocab_size=V, key_prefix="tb")
+        from shared.settings import Settings
+
+        a = Settings(redis_url=server.url_for("pa", "ppa"), key_prefix="ta")
+        async with await RemoteLM.connect(model=MODEL, settings=a) as lm:
+            assert torch.equal(await lm.next_token_logprobs([1, 2]), reference([1, 2]))
+            assert torch.equal(lm.next_token_logprobs_sync([3]), reference([3]))
+        b = Settings(redis_url=server.url_for("pb", "ppb"), key_prefix="tb")
+        async with await RemoteLM.connect(model=MODEL, settings=b) as lm:
+            assert torch.equal(await lm.next_token_logprobs([1, 2]), reference([1, 2]))
+
+        admin = redis.Redis.from_url(server.url)
+        b_keys = [k for k in admin.keys("tb:*")]
+        assert any(k.startswith(b"tb:res:") for k in b_keys)
+        admin.close()
+        intruder = redis.Redis.from_url(server.url_for("pa", "ppa"))
+        for key in b_keys:
+            with pytest.raises(NoPermissionError):
+                intruder.get(key)
+        with pytest.raises(NoPermissionError):
+            intruder.keys("*")
+        with pytest.raises(NoPermissionError):
+            intruder.flushall()
+        with pytest.raises(NoPermissionError):  # producers cannot write results directly
+            intruder.hset("ta:meta:x", "a", "b")
+        intruder.close()
+
+
+@pytest.mark.asyncio
+async def test_password_from_the_url_and_a_wrong_one_fails_clearly(
+    workers: Callable[..., Any],
+) -> None:
+    with RedisServer(password="s3cret") as server:
+        workers(server.url, backend="mock", mock_vocab_size=V)
+        async with await RemoteLM.connect(server.url, model=MODEL) as lm:
+            assert torch.equal(await lm.next_token_logprobs([5]), reference([5]))
+        bad = server.url.replace("s3cret", "wrong")
+        with pytest.raises(AuthenticationError):
+            await RemoteLM.connect(bad, model=MODEL, connect_timeout_s=1)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.asyncio
+async def test_tls_end_to_end(workers: Callable[..., Any]) -> None:
+    with RedisServer(tls=True) as server:
+        assert server.url.startswith("rediss://")
+        workers(server.url, backend="mock", mock_vocab_size=V)
+        async with await RemoteLM.connect(server.url, model=MODEL) as lm:
+            assert torch.equal(await lm.next_token_logprobs([6, 7]), reference([6, 7]))
+            assert torch.equal(lm.next_token_logprobs_sync([6]), reference([6]))
