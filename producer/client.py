@@ -146,12 +146,7 @@ class PoolClient:
             pipe = self.redis.pipeline(transaction=False)
             ttl_ms = int(self.settings.timeout_s * 1000) + 5_000
             for sub in batch:
-                keys = [
-                    self.keys.result(sub.digest),
-                    self.keys.waiters(sub.digest),
-                    self.keys.inflight(sub.digest),
-                    self.keys.stream(self.model, sub.priority),
-                ]
+                keys = submit_keys(self.keys, self.model, sub.digest, sub.priority)
                 args: list[Any] = [
                     self.reply_key,
                     sub.message,
@@ -298,6 +293,17 @@ class PoolClient:
             self._sync.close()
 
 
+def submit_keys(keys: Keys, model: str, digest: str, priority: str) -> list[str]:
+    """The KEYS of the SUBMIT script, in its order."""
+    return [
+        keys.result(digest),
+        keys.waiters(digest),
+        keys.inflight(digest),
+        keys.stream(model, priority),
+        keys.stats(model),
+    ]
+
+
 class SyncSubmitter:
     """Blocking requests for callers without an event loop (or inside a running one).
 
@@ -316,12 +322,7 @@ class SyncSubmitter:
         ttl_ms = int(timeout_s * 1000) + 5_000
         pipe = self.redis.pipeline(transaction=False)
         for digest, message in items:
-            keys = [
-                c.keys.result(digest),
-                c.keys.waiters(digest),
-                c.keys.inflight(digest),
-                c.keys.stream(c.model, c.priority),
-            ]
+            keys = submit_keys(c.keys, c.model, digest, c.priority)
             self._submit(
                 keys=keys,
                 args=[self.reply_key, message, ttl_ms, ttl_ms, c.settings.max_queue],

@@ -12,7 +12,7 @@ import sys
 # caller's permissions), plus connection set-up.
 PRODUCER_COMMANDS = (
     "evalsha", "eval", "script|load", "script|exists",  # SUBMIT
-    "get", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen",  # inside SUBMIT
+    "get", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen", "hincrby",  # SUBMIT
     "blmpop",  # replies
     "zrangebyscore", "hgetall", "smembers", "xpending",  # discovery, error messages
     "ping", "hello", "select", "auth", "client|setname",

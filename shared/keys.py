@@ -12,6 +12,7 @@ key                        type     holds
 ``P:worker:W``             hash     one worker's description and counters (expires)
 ``P:req:M:high|low``       stream   requests for model ``M`` (interactive, offline)
 ``P:dead:M``               stream   requests that could not be answered (dead letters)
+``P:stats:M``              hash     producer-side counters: cache_hits, queued, joined, rejected
 ``P:res:D``                string   result for content digest ``D`` (the shared output cache)
 ``P:wait:D``               set      reply lists waiting for digest ``D``
 ``P:fly:D``                string   marks digest ``D`` as queued, so it is queued only once
@@ -66,6 +67,9 @@ class Keys:
     def streams(self, model: str) -> list[str]:
         """Request streams of a model, highest priority first."""
         return [self.stream(model, p) for p in PRIORITIES]
+
+    def stats(self, model: str) -> str:
+        return self._k("stats", model)
 
     def dead(self, model: str) -> str:
         return self._k("dead", model)

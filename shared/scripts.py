@@ -6,22 +6,28 @@ among the digest's waiters. A digest is queued once however many producers ask f
 """
 
 SUBMIT = """
--- KEYS: result, waiters, inflight, stream
+-- KEYS: result, waiters, inflight, stream, stats
 -- ARGV: reply list, message, waiter ttl ms, inflight ttl ms, max queue
 local r = redis.call('GET', KEYS[1])
-if r then return {1, r} end
+if r then
+  redis.call('HINCRBY', KEYS[5], 'cache_hits', 1)
+  return {1, r}
+end
 redis.call('SADD', KEYS[2], ARGV[1])
 if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 if redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[4]) then
   if redis.call('XLEN', KEYS[4]) >= tonumber(ARGV[5]) then
     redis.call('DEL', KEYS[3])
     redis.call('SREM', KEYS[2], ARGV[1])
+    redis.call('HINCRBY', KEYS[5], 'rejected', 1)
     return {2}
   end
   redis.call('XADD', KEYS[4], '*', 'm', ARGV[2])
+  redis.call('HINCRBY', KEYS[5], 'queued', 1)
   return {0, 1}
 end
 redis.call('PEXPIRE', KEYS[3], ARGV[4], 'GT')
+redis.call('HINCRBY', KEYS[5], 'joined', 1)
 return {0, 0}
 """
 

@@ -28,6 +28,7 @@ from shared.redis_conn import TRANSIENT, Backoff
 from shared.scripts import FINISH
 from shared.settings import Settings
 from worker.backends.base import Backend
+from worker.metrics import Metrics
 
 log = logging.getLogger("lmpool.worker")
 BLOCK_MS = 1000
@@ -96,6 +97,7 @@ class Consumer:
         self.streams = self.keys.streams(self.model)
         self.name = consumer_name
         self.stats = Stats()
+        self.metrics: Metrics | None = None
         self._finish = redis.register_script(FINISH)
         self._buffer: list[Entry] = []
         self._reclaimable: list[tuple[str, str]] = []
@@ -232,10 +234,21 @@ class Consumer:
             await asyncio.to_thread(self._compute, todo)
         if not await self._until_done(lambda: self._write(jobs, dead)):
             return
+        elapsed = time.monotonic() - started
         self.stats.batches += 1
         self.stats.requests += len(entries)
-        self.stats.busy_s += time.monotonic() - started
+        self.stats.busy_s += elapsed
         self.stats.record_batch(len(entries))
+        if self.metrics is not None:
+            self.metrics.observe_batch([e.entry_id for e in entries], elapsed, outcomes(jobs, dead))
+        log.debug(
+            "batch of %d entries, %d distinct, %d computed in %.1f ms: %s",
+            len(entries),
+            len(jobs),
+            len(todo),
+            1000 * elapsed,
+            " ".join(f"{j.digest[:12]}={outcome_of(j)}" for j in jobs),
+        )
 
     async def _until_done(self, step: Callable[[], Awaitable[None]]) -> bool:
         """Run a Redis step until it succeeds, riding out outages; False if stopped meanwhile.
@@ -427,6 +440,24 @@ class Consumer:
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+
+
+def outcome_of(job: Job) -> str:
+    if job.nobody_waits:
+        return "skipped"
+    if job.error is not None:
+        return "error"
+    return "cache_hit" if job.cached else "computed"
+
+
+def outcomes(jobs: list[Job], dead: list[tuple[Entry, str]]) -> dict[str, int]:
+    """Counts per outcome for the metrics (extra entries of one digest are duplicates)."""
+    counts = dict.fromkeys(("computed", "cache_hit", "skipped", "error"), 0)
+    for job in jobs:
+        counts[outcome_of(job)] += 1
+    counts["dead_letter"] = len(dead)
+    counts["duplicate"] = sum(len(j.entries) - 1 for j in jobs if j.entries)
+    return counts
 
 
 def check_sample_params(params: dict[str, Any], vocab_size: int) -> None:

@@ -20,6 +20,7 @@ from shared.redis_conn import connect_redis
 from shared.settings import Settings
 from worker.backends.base import Backend
 from worker.consumer import Consumer
+from worker.metrics import Metrics
 from worker.reclaim import reclaim_loop
 
 log = logging.getLogger("lmpool.worker")
@@ -34,11 +35,15 @@ class PoolWorker:
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.redis: Redis = connect_redis(settings.redis_url)
         self.consumer = Consumer(self.redis, backend, settings, self.worker_id)
+        self.metrics = Metrics(self.model, backend.name)
+        self.consumer.metrics = self.metrics
         self.started_at = time.time()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
         await self._publish_meta()
         await self.consumer.ensure_groups()
         await self._beat()
@@ -87,9 +92,17 @@ class PoolWorker:
             "dead_letters": st.dead_letters,
             "requests_per_s": round(st.per_second(), 2),
             "busy_s": round(st.busy_s, 3),
+            "kv": self.kv_stats(),
         }
 
+    def kv_stats(self) -> dict[str, int]:
+        stats = getattr(self.backend, "kv_stats", None)
+        return dict(stats()) if callable(stats) else {}
+
     async def _beat(self) -> None:
+        kv = self.kv_stats()
+        if kv:
+            self.metrics.observe_kv(kv)
         await registry.heartbeat(
             self.redis,
             self.keys,
@@ -122,5 +135,6 @@ class PoolWorker:
                 log.error("worker task ended with %r", r)
         await registry.unregister(self.redis, self.keys, self.model, self.worker_id)
         await self.redis.aclose()
+        self.metrics.close()
         self.backend.close()
         log.info("worker %s stopped", self.worker_id)

@@ -1,0 +1,102 @@
+"""Running the pool: the status command, the metrics endpoint and priorities, on a live pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from producer import RemoteLM
+from shared.keys import Keys
+from shared.redis_server import free_port
+
+V = 300
+MODEL = f"mock-{V}"
+pytestmark = pytest.mark.timeout(180)
+
+
+def status(url: str, *args: str) -> str:
+    env_free = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.status", "--redis-url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_free,
+        check=True,
+    )
+    return out.stdout
+
+
+@pytest.mark.asyncio
+async def test_status_and_metrics_on_a_live_pool(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    port = free_port()
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, metrics_port=port)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        await lm.batch_next_token_logprobs([[i, 1] for i in range(20)])
+        lm.clear_cache()
+        await lm.batch_next_token_logprobs([[i, 1] for i in range(10)])  # shared-cache hits
+    r = redis.Redis.from_url(redis_url)
+    r.xadd(Keys().stream(MODEL, "low"), {"m": b"junk"})  # one dead letter
+    r.close()
+    await w.wait_counter("dead_letters", 1)
+    await w.wait_counter("requests", 21)
+
+    data = json.loads(status(redis_url, "--json"))
+    model = data["models"][MODEL]
+    assert len(model["workers"]) == 1
+    worker = model["workers"][0]
+    assert worker["backend"] == "mock" and worker["device"] == "cpu" and worker["max_batch"] == 16
+    assert worker["rows"] == 20
+    assert model["streams"]["high"] == {"length": 0, "pending": 0}
+    assert model["dead_letters"] == 1
+    assert model["producer_counters"]["cache_hits"] == 10
+    assert model["shared_cache_hit_rate"] == pytest.approx(10 / 30)
+    text = status(redis_url)
+    assert f"model {MODEL}" in text and "1 live worker(s)" in text and "33.3%" in text
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    metrics = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in body.splitlines()
+        if line and not line.startswith("#")
+    }
+    labels = f'backend="mock",model="{MODEL}"'
+    assert metrics[f"lmpool_batch_size_count{{{labels}}}"] >= 2
+    assert metrics[f'lmpool_requests_total{{{labels},outcome="computed"}}'] == 20
+    assert metrics[f'lmpool_requests_total{{{labels},outcome="dead_letter"}}'] == 1
+    assert metrics[f"lmpool_queue_wait_seconds_count{{{labels}}}"] >= 20
+
+
+@pytest.mark.asyncio
+async def test_offline_work_does_not_starve_interactive_requests(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=20, max_batch=4)
+    keys = Keys()
+    r = redis.Redis.from_url(redis_url)
+    async with (
+        await RemoteLM.connect(redis_url, model=MODEL, priority="low") as offline,
+        await RemoteLM.connect(redis_url, model=MODEL) as interactive,
+    ):
+        batch = asyncio.gather(*(offline.next_token_logprobs([i, 2, 2]) for i in range(200)))
+        while r.xlen(keys.stream(MODEL, "low")) < 150:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await interactive.next_token_logprobs([7, 7, 7])
+        waited = time.monotonic() - started
+        left = r.xlen(keys.stream(MODEL, "low"))
+        await batch
+    r.close()
+    assert left > 100, "the interactive request went ahead of the offline queue"
+    assert waited < 1.0, waited

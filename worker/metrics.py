@@ -1,0 +1,76 @@
+"""Prometheus metrics of one worker, served on ``LMPOOL_METRICS_PORT`` (0: off).
+
+Each worker owns a registry (not prometheus_client's global one), so several workers can live
+in one process (tests) without clashing names.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, model: str, backend: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model": model, "backend": backend}
+        self.batch_size = Histogram(
+            "lmpool_batch_size", "Stream entries per batch", list(labels),
+            buckets=BATCH_BUCKETS, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.batch_seconds = Histogram(
+            "lmpool_batch_seconds", "Time to answer one batch (read to acknowledged)",
+            list(labels), buckets=SECONDS_BUCKETS, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.queue_wait = Histogram(
+            "lmpool_queue_wait_seconds", "Time a request spent in its stream before its batch",
+            list(labels), buckets=SECONDS_BUCKETS, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        outcomes = Counter(
+            "lmpool_requests", "Requests answered, by outcome",
+            [*labels, "outcome"], registry=self.registry,
+        )  # fmt: skip
+        self.outcome = {
+            name: outcomes.labels(**labels, outcome=name)
+            for name in ("computed", "cache_hit", "skipped", "error", "dead_letter", "duplicate")
+        }
+        self.kv_bytes = Gauge(
+            "lmpool_kv_cache_bytes", "Bytes of cached key/value tensors", list(labels),
+            registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.kv_hit_rate = Gauge(
+            "lmpool_kv_hit_rate", "Prompt tokens reused from the KV cache / tokens requested",
+            list(labels), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self._server: Any = None
+
+    def serve(self, port: int) -> None:
+        """Expose ``/metrics`` on ``port`` (all interfaces)."""
+        self._server, _ = start_http_server(port, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def observe_batch(self, entry_ids: list[str], seconds: float, outcomes: dict[str, int]) -> None:
+        now_ms = time.time() * 1000
+        self.batch_size.observe(len(entry_ids))
+        self.batch_seconds.observe(seconds)
+        for entry_id in entry_ids:
+            # A stream entry id starts with the Redis server's clock (ms) at XADD time.
+            added_ms = int(entry_id.split("-", 1)[0])
+            self.queue_wait.observe(max(now_ms - added_ms, 0) / 1000 - seconds)
+        for name, n in outcomes.items():
+            if n:
+                self.outcome[name].inc(n)
+
+    def observe_kv(self, stats: dict[str, int]) -> None:
+        self.kv_bytes.set(stats.get("bytes_used", 0))
+        requested = stats.get("tokens_requested", 0)
+        self.kv_hit_rate.set(stats.get("tokens_reused", 0) / requested if requested else 0.0)

@@ -1,0 +1,151 @@
+"""``python -m worker.status`` (also ``lmpool-status``): what the pool is doing, per model.
+
+Live workers (host, backend, device, batch size, heartbeat age, requests/s), queue lengths and
+pending counts per stream, the shared-cache and KV hit rates, dead letters and offline jobs.
+``--watch N`` refreshes every N seconds; ``--json`` prints the same data for machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import registry
+from shared.keys import GROUP, Keys
+from shared.redis_conn import connect_redis
+from shared.settings import Settings
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def collect(redis: Redis, keys: Keys) -> dict[str, Any]:
+    """Everything the status view shows, as plain data."""
+    models = sorted(_s(m) for m in await redis.smembers(keys.models))  # type: ignore[misc]
+    out: dict[str, Any] = {"time": time.time(), "models": {}, "jobs": await _jobs(redis, keys)}
+    for model in models:
+        out["models"][model] = await _model(redis, keys, model)
+    return out
+
+
+async def _model(redis: Redis, keys: Keys, model: str) -> dict[str, Any]:
+    workers = []
+    for wid in await registry.live_workers(redis, keys, model):
+        info = await registry.worker_info(redis, keys, wid)
+        if info:
+            info["id"] = wid
+            workers.append(info)
+    streams = {}
+    for stream in keys.streams(model):
+        length = await redis.xlen(stream)
+        pending = 0
+        if length or await redis.exists(stream):
+            try:
+                pending = int((await redis.xpending(stream, GROUP))["pending"])
+            except Exception:
+                pending = 0
+        streams[stream.rsplit(":", 1)[-1]] = {"length": length, "pending": pending}
+    raw_stats = await redis.hgetall(keys.stats(model))  # type: ignore[misc]
+    stats = {_s(k): int(v) for k, v in raw_stats.items()}
+    asked = sum(stats.get(k, 0) for k in ("cache_hits", "queued", "joined"))
+    worker_hits = sum(int(w.get("cache_hits", 0)) for w in workers)
+    kv_reused = sum(int(w.get("kv", {}).get("tokens_reused", 0)) for w in workers)
+    kv_requested = sum(int(w.get("kv", {}).get("tokens_requested", 0)) for w in workers)
+    return {
+        "workers": workers,
+        "streams": streams,
+        "requests_per_s": round(sum(float(w.get("requests_per_s", 0)) for w in workers), 2),
+        "shared_cache_hit_rate": (stats.get("cache_hits", 0) + worker_hits) / asked
+        if asked
+        else None,
+        "kv_hit_rate": kv_reused / kv_requested if kv_requested else None,
+        "dead_letters": await redis.xlen(keys.dead(model)),
+        "producer_counters": stats,
+    }
+
+
+async def _jobs(redis: Redis, keys: Keys) -> dict[str, dict[str, Any]]:
+    jobs: dict[str, dict[str, Any]] = {}
+    async for key in redis.scan_iter(match=keys.job_progress("*"), count=500):
+        raw = await redis.hgetall(key)  # type: ignore[misc]
+        jobs[_s(key).rsplit(":", 1)[-1]] = {_s(k): _s(v) for k, v in raw.items()}
+    return jobs
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = []
+    if not data["models"]:
+        lines.append("no model has registered a worker on this Redis (yet)")
+    for model, m in data["models"].items():
+        q = ", ".join(
+            f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in m["streams"].items()
+        )
+        lines.append(f"model {model}")
+        lines.append(
+            f"  {len(m['workers'])} live worker(s), {m['requests_per_s']} req/s (last minute); {q}"
+        )
+        lines.append(
+            f"  shared-cache hit rate {_pct(m['shared_cache_hit_rate'])}, "
+            f"KV hit rate {_pct(m['kv_hit_rate'])}, dead letters {m['dead_letters']}"
+        )
+        for w in m["workers"]:
+            age = data["time"] - float(w.get("heartbeat_at", 0))
+            lines.append(
+                f"    {w['id']}  {w.get('backend')} on {w.get('device')} ({w.get('dtype')}), "
+                f"batch {w.get('max_batch')}, heartbeat {age:.1f}s ago, "
+                f"{w.get('requests_per_s', 0)} req/s, {w.get('requests', 0)} requests, "
+                f"{w.get('rows', 0)} rows computed, {w.get('errors', 0)} errors"
+            )
+    for job_id, job in data["jobs"].items():
+        lines.append(
+            f"job {job_id}: {job.get('state', '?')} {job.get('done', 0)}/{job.get('total', '?')} "
+            f"done, {job.get('failed', 0)} failed, {job.get('rate', '-')} lines/s"
+        )
+    return "\n".join(lines)
+
+
+async def run(url: str, prefix: str, watch_s: float, as_json: bool) -> None:
+    redis = connect_redis(url)
+    keys = Keys(prefix)
+    try:
+        while True:
+            data = await collect(redis, keys)
+            text = json.dumps(data, indent=2, default=str) if as_json else render(data)
+            if watch_s:
+                sys.stdout.write("\x1b[2J\x1b[H")  # clear the terminal between refreshes
+            print(text, flush=True)
+            if not watch_s:
+                return
+            await asyncio.sleep(watch_s)
+    finally:
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = Settings.from_env()
+    parser = argparse.ArgumentParser(prog="lmpool-status", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", default=settings.redis_url)
+    parser.add_argument("--prefix", default=settings.key_prefix, help="key prefix (tenant)")
+    parser.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(run(args.redis_url, args.prefix, args.watch, args.json))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
