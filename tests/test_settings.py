@@ -58,3 +58,13 @@ def test_misspelled_setting_is_an_error_naming_the_known_ones() -> None:
 def test_bad_values_fail_at_start_up(var: str, value: str) -> None:
     with pytest.raises(SettingsError, match=var.removeprefix("LMPOOL_").split("_")[0]):
         Settings.from_env({var: value})
+
+
+def test_readme_settings_table_is_current() -> None:
+    """README lists every setting with its default (regenerate: python -m shared.settings)."""
+    from pathlib import Path
+
+    from shared.settings import settings_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert settings_table() in readme
