@@ -114,7 +114,7 @@ class PoolClient:
         else:
             fut.set_exception(error)
             fut.exception()  # retrieved: sharers re-raise it themselves
-        srem = self.redis.srem(self.keys.waiters(digest), self.reply_key)
+        srem = self.redis.srem(self.keys.waiters(self.model, digest), self.reply_key)
         task = asyncio.ensure_future(srem)  # type: ignore[arg-type]
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -263,6 +263,19 @@ class PoolClient:
             self._sync = SyncSubmitter(self)
         return self._sync
 
+    async def clear_results(self) -> int:
+        """UNLINK every cached result of this model, in batches."""
+        deleted = 0
+        batch: list[bytes] = []
+        async for key in self.redis.scan_iter(match=self.keys.results(self.model), count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                deleted += await self.redis.unlink(*batch)
+                batch.clear()
+        if batch:
+            deleted += await self.redis.unlink(*batch)
+        return deleted
+
     # -- lifecycle ------------------------------------------------------------------------
     def reset(self) -> None:
         """Fail every request waiting on this connection (genlm's ``reset_async_queries``)."""
@@ -282,7 +295,7 @@ class PoolClient:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for digest in pending:
-                pipe.srem(self.keys.waiters(digest), self.reply_key)
+                pipe.srem(self.keys.waiters(self.model, digest), self.reply_key)
             pipe.delete(self.reply_key)
             await pipe.execute()
         except Exception:
@@ -296,9 +309,9 @@ class PoolClient:
 def submit_keys(keys: Keys, model: str, digest: str, priority: str) -> list[str]:
     """The KEYS of the SUBMIT script, in its order."""
     return [
-        keys.result(digest),
-        keys.waiters(digest),
-        keys.inflight(digest),
+        keys.result(model, digest),
+        keys.waiters(model, digest),
+        keys.inflight(model, digest),
         keys.stream(model, priority),
         keys.stats(model),
     ]

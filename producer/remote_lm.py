@@ -250,6 +250,12 @@ class RemoteLM:
         """Empty this producer's local cache (the shared Redis cache is kept)."""
         self.cache.clear()
 
+    async def clear_shared_cache(self) -> int:
+        """Delete every result of this model from the shared Redis cache (all producers lose
+        them); returns how many were deleted. The local cache is cleared too."""
+        self.cache.clear()
+        return await self._client.clear_results()
+
     def reset_async_queries(self) -> None:
         """Fail every request still waiting on this object."""
         self._client.reset()

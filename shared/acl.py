@@ -15,6 +15,7 @@ PRODUCER_COMMANDS = (
     "get", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen", "hincrby",  # SUBMIT
     "blmpop",  # replies
     "zrangebyscore", "hgetall", "smembers", "xpending",  # discovery, error messages
+    "scan", "unlink",  # clear_shared_cache
     "ping", "hello", "select", "auth", "client|setname",
 )  # fmt: skip
 

@@ -13,9 +13,9 @@ key                        type     holds
 ``P:req:M:high|low``       stream   requests for model ``M`` (interactive, offline)
 ``P:dead:M``               stream   requests that could not be answered (dead letters)
 ``P:stats:M``              hash     producer-side counters: cache_hits, queued, joined, rejected
-``P:res:D``                string   result for content digest ``D`` (the shared output cache)
-``P:wait:D``               set      reply lists waiting for digest ``D``
-``P:fly:D``                string   marks digest ``D`` as queued, so it is queued only once
+``P:res:M:D``              string   result for content digest ``D`` (the shared output cache)
+``P:wait:M:D``             set      reply lists waiting for digest ``D``
+``P:fly:M:D``              string   marks digest ``D`` as queued, so it is queued only once
 ``P:reply:C``              list     replies for producer connection ``C``
 ``P:arq``                  arq      arq's job queue (offline jobs)
 ``P:job:J``                hash     progress of offline job ``J`` (``score_file``; expires)
@@ -74,14 +74,18 @@ class Keys:
     def dead(self, model: str) -> str:
         return self._k("dead", model)
 
-    def result(self, digest: str) -> str:
-        return self._k("res", digest)
+    def result(self, model: str, digest: str) -> str:
+        return self._k("res", model, digest)
 
-    def waiters(self, digest: str) -> str:
-        return self._k("wait", digest)
+    def results(self, model: str) -> str:
+        """SCAN pattern of every cached result of ``model``."""
+        return self._k("res", model, "*")
 
-    def inflight(self, digest: str) -> str:
-        return self._k("fly", digest)
+    def waiters(self, model: str, digest: str) -> str:
+        return self._k("wait", model, digest)
+
+    def inflight(self, model: str, digest: str) -> str:
+        return self._k("fly", model, digest)
 
     def reply(self, client_id: str) -> str:
         return self._k("reply", client_id)

@@ -146,5 +146,10 @@ async def test_shared_cache_serves_a_second_producer_without_the_queue(
     await asyncio.sleep(0.5)
     assert mock_worker.info()["requests"] == 2
     r = redis.Redis.from_url(redis_url)
-    assert len(list(r.scan_iter("lmpool:res:*"))) == 2
+    assert len(list(r.scan_iter(f"lmpool:res:{MODEL}:*"))) == 2
+    async with await RemoteLM.connect(redis_url, model=MODEL) as c:
+        assert await c.clear_shared_cache() == 2
+        assert not list(r.scan_iter(f"lmpool:res:{MODEL}:*"))
+        assert torch.equal(await c.next_token_logprobs([9, 9]), reference([9, 9]))
+    assert await mock_worker.wait_counter("requests", 3) == 3  # computed again
     r.close()

@@ -87,3 +87,11 @@ async def test_tls_end_to_end(workers: Callable[..., Any]) -> None:
         async with await RemoteLM.connect(server.url, model=MODEL) as lm:
             assert torch.equal(await lm.next_token_logprobs([6, 7]), reference([6, 7]))
             assert torch.equal(lm.next_token_logprobs_sync([6]), reference([6]))
+
+
+def test_readme_shows_the_acl_rules_the_tests_use() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert worker_rule("tenant_a-worker", "WORKER_PASSWORD", "tenant_a") in readme
+    assert producer_rule("tenant_a-producer", "PRODUCER_PASSWORD", "tenant_a") in readme

@@ -328,8 +328,8 @@ class Consumer:
             return
         pipe = self.redis.pipeline(transaction=False)
         for job in live:
-            pipe.get(self.keys.result(job.digest))
-            pipe.scard(self.keys.waiters(job.digest))
+            pipe.get(self.keys.result(self.model, job.digest))
+            pipe.scard(self.keys.waiters(self.model, job.digest))
         answers = await pipe.execute()
         for i, job in enumerate(live):
             cached, waiting = answers[2 * i], answers[2 * i + 1]
@@ -406,9 +406,9 @@ class Consumer:
                 assert job.result is not None
                 result, reply = job.result, protocol.encode_reply(job.digest, job.result)
             keys = [
-                self.keys.result(job.digest),
-                self.keys.waiters(job.digest),
-                self.keys.inflight(job.digest),
+                self.keys.result(self.model, job.digest),
+                self.keys.waiters(self.model, job.digest),
+                self.keys.inflight(self.model, job.digest),
             ]
             await self._finish(keys=keys, args=[result, reply, ttl_ms, ttl_ms], client=pipe)
         for entry, reason in dead:
