@@ -1,0 +1,253 @@
+"""Offline scoring (``lmpool-score`` and the arq job ``score_file``) through a real mock pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+from poolkit import REPO, WorkerProcess
+
+from producer import RemoteLM
+from producer.score import enqueue_score_file, load_logprobs, read_job_progress
+from shared.keys import Keys
+from shared.redis_server import RedisServer
+
+V = 300
+MODEL = f"mock-{V}"
+pytestmark = pytest.mark.timeout(120)
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def cli(redis_url: str, *args: Any) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "producer.score",
+        *map(str, args),
+        "--redis-url",
+        redis_url,
+        "--model",
+        MODEL,
+        "--no-progress",
+    ]
+
+
+def env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
+
+
+def run_cli(redis_url: str, *args: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cli(redis_url, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=90
+    )
+
+
+def prompt(i: int) -> list[int]:
+    return [i % 250, i // 250 + 1, 7]
+
+
+async def direct(redis_url: str, call: Callable[[RemoteLM], Any]) -> Any:
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        return await call(lm)
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One flushed database and one mock worker for the whole module.
+
+    Like conftest's ``workers(redis_url, backend="mock", mock_vocab_size=V)``, started once:
+    worker start-up and shutdown would otherwise be most of this module's time.
+    """
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushall()
+    r.close()
+    worker = WorkerProcess(
+        redis_server.url, tmp_path_factory.mktemp("logs"), backend="mock", mock_vocab_size=V
+    )
+    worker.start().wait_ready()
+    yield redis_server.url
+    worker.stop()
+
+
+def test_killed_run_resumes_without_duplicates_full_vectors(redis_url: str, tmp_path: Path) -> None:
+    n = 1000
+    rows: list[Any] = [{"id": f"p{i}", "ids": prompt(i)} for i in range(n - 1)]
+    rows.append({"id": "text", "text": "hello"})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    args = (inp, out, "--shard-rows", 128)
+    # A slow first run (2 in flight), killed once some lines are out.
+    proc = subprocess.Popen(
+        cli(redis_url, *args, "--concurrency", 2),
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 150:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+    # What a kill in the middle of a write leaves: a row with no index line yet (the last line
+    # is dropped), a torn index line, a torn shard row.
+    lines = [line for line in out.read_bytes().splitlines(keepends=True) if line.endswith(b"\n")]
+    assert 150 <= len(lines) < n
+    first = len(lines) - 1
+    out.write_bytes(b"".join(lines[:first]) + b'{"id":"p999","shard":"shar')
+    last_shard = sorted((tmp_path / "out.jsonl.d").glob("shard-*.npy"))[-1]
+    with last_shard.open("ab") as f:
+        f.write(b"\x00" * 500)
+
+    again = run_cli(redis_url, *args)
+    assert again.returncode == 0, again.stderr
+    assert f"{n - first} done, {first} skipped (already done), 0 failed" in again.stdout
+    index = read_jsonl(out)
+    ids = [r["id"] for r in index]
+    assert len(ids) == n and set(ids) == {r["id"] for r in rows}
+    assert not (tmp_path / "out.jsonl.errors.jsonl").exists()
+
+    got_ids, matrix = load_logprobs(out)
+    assert got_ids == ids and matrix.shape == (n, V) and matrix.dtype == np.float32
+    shards = sorted((tmp_path / "out.jsonl.d").glob("shard-*.npy"))
+    assert sum(np.load(s).shape[0] for s in shards) == n  # no orphan rows left
+    assert all(np.load(s).shape[0] <= 128 for s in shards)
+    prompts = {r["id"]: r.get("ids") for r in rows}
+
+    async def expected(lm: RemoteLM) -> torch.Tensor:
+        prompts["text"] = lm.tokenizer.encode("hello")
+        return await lm.batch_next_token_logprobs([prompts[i] for i in ids])
+
+    assert torch.equal(torch.from_numpy(matrix), asyncio.run(direct(redis_url, expected)))
+
+
+def test_top_k_sample_and_score_modes(redis_url: str, tmp_path: Path) -> None:
+    rows = [{"ids": prompt(i), "continuation": [i + 3, 9], "seed": i} for i in range(30)]
+    rows.append({"id": "t", "text": "ab", "continuation_text": "cd"})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    outs = {m: tmp_path / f"{m}.jsonl" for m in ("topk", "sample", "score")}
+    runs = [
+        cli(redis_url, inp, outs["topk"], "--top-k", 5),
+        cli(redis_url, inp, outs["sample"], "--mode", "sample", "--max-tokens", 6),
+        cli(redis_url, inp, outs["score"], "--mode", "score"),
+    ]
+    procs = [
+        subprocess.Popen(c, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for c in runs
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err.decode()
+    keys: list[Any] = [*range(1, 31), "t"]  # the line number, unless the line has an id
+
+    async def check(lm: RemoteLM) -> None:
+        ids = {k: prompt(k - 1) for k in keys[:-1]}
+        ids["t"] = lm.tokenizer.encode("ab")
+        conts: dict[Any, list[int]] = {k: [k + 2, 9] for k in keys[:-1]}
+        conts["t"] = lm.tokenizer.encode("cd")
+        topk = {r["id"]: r for r in read_jsonl(outs["topk"])}
+        sample = {r["id"]: r for r in read_jsonl(outs["sample"])}
+        score = {r["id"]: r for r in read_jsonl(outs["score"])}
+        assert sorted(map(str, topk)) == sorted(map(str, sample)) == sorted(map(str, keys))
+        assert sorted(map(str, score)) == sorted(map(str, keys))
+        for k in keys:
+            values, top = torch.topk(await lm.next_token_logprobs(ids[k]), 5)
+            assert topk[k]["top_ids"] == top.tolist()
+            assert torch.equal(torch.tensor(topk[k]["top_logprobs"]), values)
+            seed = k - 1 if k != "t" else None
+            if seed is not None:
+                drawn = await lm.sample(ids[k], 6, lm.eos_token_ids, seed=seed)
+                assert sample[k]["tokens"] == drawn
+                assert sample[k]["text"] == lm.tokenizer.decode(drawn)
+            expect = await lm.score(ids[k], conts[k])
+            assert torch.equal(torch.tensor(score[k]["logprobs"]), expect)
+            assert score[k]["total"] == pytest.approx(float(expect.sum()), abs=1e-5)
+        assert 0 < len(sample["t"]["tokens"]) <= 6
+
+    asyncio.run(direct(redis_url, check))
+
+
+def test_bad_lines_fail_alone_and_are_retried(redis_url: str, tmp_path: Path) -> None:
+    rows: list[Any] = [{"id": f"r{i}", "ids": prompt(i)} for i in range(20)]
+    rows[7] = {"id": "oov", "ids": [5, V]}
+    rows[12] = '{"id": "torn", "ids": [1,'  # not JSON: named by its line number
+    rows.append({"id": "r3", "ids": [1]})  # a second line with id r3
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    res = run_cli(redis_url, inp, out, "--top-k", 3)
+    assert res.returncode == 1, res.stderr
+    assert "18 done, 0 skipped (already done), 3 failed" in res.stdout
+    failed = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl.errors.jsonl")}
+    assert set(failed) == {"oov", 13, "r3"}
+    assert "InvalidRequest" in failed["oov"]["error"] and str(V) in failed["oov"]["error"]
+    assert failed["oov"]["line"] == 8 and failed[13]["line"] == 13
+    assert "more than one line" in failed["r3"]["error"] and failed["r3"]["line"] == 21
+    done = [r["id"] for r in read_jsonl(out)]
+    assert sorted(done) == sorted(f"r{i}" for i in range(20) if i not in (7, 12))
+    # Fixed input: the failed lines are retried, nothing else is redone.
+    rows[7], rows[12], rows[-1] = {"id": "oov", "ids": [5]}, {"ids": [6]}, {"id": "r20", "ids": [1]}
+    write_jsonl(inp, rows)
+    res = run_cli(redis_url, inp, out, "--top-k", 3)
+    assert res.returncode == 0 and "3 done, 18 skipped (already done), 0 failed" in res.stdout
+    assert len(read_jsonl(out)) == 21
+    assert not (tmp_path / "out.jsonl.errors.jsonl").exists()
+
+
+@pytest.mark.asyncio
+async def test_arq_job_scores_the_file_and_reports_progress(redis_url: str, tmp_path: Path) -> None:
+    from arq import create_pool
+    from arq.connections import RedisSettings
+    from arq.jobs import Job
+
+    from producer.score import _packb, _unpackb
+
+    n = 200
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"ids": prompt(i)} for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    job_id = await enqueue_score_file(redis_url, inp, out, mode="logprobs", top_k=4)
+    arq = await create_pool(
+        RedisSettings.from_dsn(redis_url),
+        job_serializer=_packb,
+        job_deserializer=_unpackb,
+        default_queue_name=Keys().arq_queue,
+    )
+    try:
+        job = Job(job_id, arq, _queue_name=Keys().arq_queue, _deserializer=_unpackb)
+        result = await job.result(timeout=60, poll_delay=0.1)
+    finally:
+        await arq.aclose()
+    assert result["total"] == result["done"] == result["completed"] == n
+    assert result["failed"] == 0 and result["output"] == str(out)
+    progress = await read_job_progress(redis_url, job_id)
+    assert progress["state"] == "finished"
+    assert progress["done"] == progress["total"] == str(n) and progress["failed"] == "0"
+    assert float(progress["updated_at"]) > time.time() - 60 and float(progress["rate"]) > 0
+    records = read_jsonl(out)
+    assert sorted(r["id"] for r in records) == list(range(1, n + 1))
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        for r in records[:20]:
+            values, top = torch.topk(await lm.next_token_logprobs(prompt(r["id"] - 1)), 4)
+            assert r["top_ids"] == top.tolist()
+            assert torch.equal(torch.tensor(r["top_logprobs"]), values)
