@@ -6,15 +6,17 @@ next-token request needs only the last one, which saves a vocabulary-sized matmu
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from shared.settings import Settings
 from shared.tokenizer import tokenizer_config
 from worker.backends.base import Backend, ModelInfo, draw
+from worker.kv_cache import KVCache, UnsupportedModel
 from worker.model_files import converted_gguf, files_fingerprint, resolve_model
 
 log = logging.getLogger("lmpool.worker")
@@ -48,8 +50,8 @@ class HFBackend(Backend):
         self.device = pick_device(settings.device)
         self.dtype = pick_dtype(settings.dtype, self.device, getattr(config, "dtype", None))
         model_kwargs: dict[str, Any] = {"dtype": self.dtype}
-        model_kwargs.update(quantization_kwargs(settings))
-        self.model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
+        model_kwargs.update(quantization_kwargs(settings.quantization, self.device, self.dtype))
+        self.model: Any = cast(Any, AutoModelForCausalLM).from_pretrained(path, **model_kwargs)
         if "quantization_config" not in model_kwargs:
             self.model.to(self.device)
         self.model.eval()
@@ -62,6 +64,8 @@ class HFBackend(Backend):
         self.pad_id = self.tokenizer.pad_token_id or (eos_ids[0] if eos_ids else 0)
         vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         fingerprint = files_fingerprint(source) + f"-{self.dtype}".replace("torch.", "")
+        if settings.quantization != "none":  # quantized weights give other results
+            fingerprint += f"-bnb{settings.quantization}"
         self.info = ModelInfo(
             name_or_path=str(settings.model or source.stem),
             fingerprint=fingerprint,
@@ -75,13 +79,15 @@ class HFBackend(Backend):
             tokenizer_config=tokenizer_config(self.tokenizer),
             adapters=sorted(self.adapters),
         )
-        log.info(
-            "loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size
-        )
+        log.info("loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size)
+        self.kv_cache: KVCache | None = None
+        if settings.kv_cache_mb > 0:
+            try:
+                self.kv_cache = KVCache(self.model, settings.kv_cache_mb << 20, self.pad_id)
+            except UnsupportedModel as e:
+                log.warning("kv cache off for %s: %s", source, e)
 
-    def _forward(
-        self, prompts: list[list[int]], lora: str | None, keep: int = 1
-    ) -> torch.Tensor:
+    def _forward(self, prompts: list[list[int]], lora: str | None, keep: int = 1) -> torch.Tensor:
         """Logits of the last ``keep`` positions of each left-padded prompt, ``[N, keep, V]``."""
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -89,16 +95,15 @@ class HFBackend(Backend):
         for row, p in enumerate(prompts):
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         self._select_adapter(lora)
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids.to(self.device)}
+        if any(len(p) != width for p in prompts):
+            # Without padding, no mask: the unmasked attention path is bit-identical to a
+            # forward of each prompt alone, which a mask (even all ones) is not.
+            inputs["attention_mask"] = mask.to(self.device)
+            inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(self.device)
         with torch.inference_mode():
-            out = self.model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=position_ids.to(self.device),
-                use_cache=False,
-                logits_to_keep=keep,
-            )
+            out = self.model(**inputs, use_cache=False, logits_to_keep=keep)
         return out.logits
 
     def _select_adapter(self, lora: str | None) -> None:
@@ -111,9 +116,36 @@ class HFBackend(Backend):
             self.model.set_adapter(lora)
 
     def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        """With ``kv_cache_mb > 0`` only tokens past each prompt's cached prefix run (one trie
+        per adapter); otherwise every prompt runs whole."""
         self._count(prompts)
-        logits = self._forward(prompts, lora)[:, -1, :]
+        if self.kv_cache is None:
+            logits = self._forward(prompts, lora)[:, -1, :]
+        else:
+            self._select_adapter(lora)
+            logits = self.kv_cache.last_logits(prompts, namespace=lora)
         return torch.log_softmax(logits.float(), dim=-1).to(self.dtype)
+
+    def kv_stats(self) -> dict[str, int]:
+        """The kv cache's counters (all zero when it is off)."""
+        if self.kv_cache is None:
+            return dict.fromkeys(KVCache.STAT_NAMES, 0)
+        return self.kv_cache.stats()
+
+    def pin_prefix(self, ids: list[int], lora: str | None = None) -> bool:
+        """Compute ``ids`` into the kv cache and keep it from eviction (a ``cache_kv`` hint).
+
+        False when the cache is off or the prefix does not fit in its budget.
+        """
+        if self.kv_cache is None:
+            return False
+        self._select_adapter(lora)
+        try:
+            self.kv_cache.pin(ids, namespace=lora)
+        except ValueError as e:
+            log.warning("not pinned: %s", e)
+            return False
+        return True
 
     def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
         full = prompt + continuation
@@ -158,9 +190,25 @@ class HFBackend(Backend):
             torch.cuda.empty_cache()
 
 
-def quantization_kwargs(settings: Settings) -> dict[str, Any]:
-    """bitsandbytes loading options (none unless configured)."""
-    return {}
+def quantization_kwargs(mode: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """bitsandbytes loading options for ``LMPOOL_QUANTIZATION`` (genlm's ``bitsandbytes_opts``).
+
+    8-bit is LLM.int8(); 4-bit is NF4 computing in the worker's dtype. Both run on CUDA and,
+    with bitsandbytes >= 0.45, on CPU.
+    """
+    if mode == "none":
+        return {}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"LMPOOL_QUANTIZATION={mode} needs bitsandbytes: pip install lmpool[bnb]")
+    from transformers import BitsAndBytesConfig
+
+    if mode == "8bit":
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    return {"quantization_config": config, "device_map": str(device)}
 
 
 def load_adapters(backend: HFBackend, adapters: dict[str, str]) -> set[str]:

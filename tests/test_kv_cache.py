@@ -1,0 +1,269 @@
+"""worker.kv_cache through HFBackend on a tiny random Llama: exact results, reuse, bytes, pins.
+
+Every cached result is compared with the no-cache path (``kv_cache_mb=0``) at 1e-4 (float32).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shared.settings import Settings
+from shared.tokenizer import byte_tokenizer
+from worker.backends.hf import HFBackend
+from worker.kv_cache import SHARE_MIN_TOKENS, KVCache
+
+VOCAB = 1000
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    byte_tokenizer(VOCAB).save_pretrained(path)
+    return path
+
+
+def make_backend(model_dir: Path, kv_cache_mb: int) -> HFBackend:
+    return HFBackend(Settings(model=str(model_dir), kv_cache_mb=kv_cache_mb))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> HFBackend:
+    backend = make_backend(model_dir, 0)
+    assert backend.kv_cache is None
+    return backend
+
+
+def cache_of(backend: HFBackend) -> KVCache:
+    assert backend.kv_cache is not None
+    return backend.kv_cache
+
+
+def check(backend: HFBackend, reference: HFBackend, batch: list[list[int]]) -> torch.Tensor:
+    got = backend.logprobs(batch, None)
+    want = reference.logprobs(batch, None)
+    assert got.shape == want.shape == (len(batch), VOCAB)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    return got
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def smc_batches(
+    seed: int, prefix: int = 60, particles: int = 8, steps: int = 10
+) -> Iterator[list[list[int]]]:
+    """Particles over a shared prefix, one token longer each step, resampled with duplicates;
+    each batch also holds a cold prompt and a particle's older (shorter) prefix."""
+    rng = random.Random(seed)
+    shared = tokens(rng, prefix)
+    parts = [list(shared) for _ in range(particles)]
+    history: list[list[int]] = []
+    for _ in range(steps):
+        parts = [p + tokens(rng, 1) for p in parts]
+        extra = [tokens(rng, rng.randrange(1, 24))]
+        if history:
+            extra.append(rng.choice(history)[: -rng.randrange(1, 3)])
+        yield [*parts, parts[0], *extra]
+        history.extend(parts)
+        parts = [list(rng.choice(parts)) for _ in range(particles)]
+
+
+def test_cached_matches_uncached_over_smc_steps(model_dir: Path, reference: HFBackend) -> None:
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    mixed = 0
+    for batch in smc_batches(seed=1):
+        lengths = {cache.cached_length(p) for p in batch}
+        mixed = max(mixed, len(lengths))
+        check(backend, reference, batch)
+    assert mixed >= 3, "batches should mix rows with different cached lengths"
+
+
+def test_eager_attention_matches_plain_forward(model_dir: Path) -> None:
+    model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    cache = KVCache(model, 1 << 20, pad_id=0)
+    rng = random.Random(2)
+    base = tokens(rng, 30)
+    for step in range(4):
+        batch = [base + tokens(rng, step + 1), base[: 10 + step], tokens(rng, 7), base]
+        got = cache.last_logits(batch)
+        with torch.inference_mode():
+            for row, prompt in enumerate(batch):
+                want = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+                torch.testing.assert_close(got[row], want, atol=ATOL, rtol=0)
+
+
+def test_reuse_counters(model_dir: Path, reference: HFBackend) -> None:
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    rng = random.Random(3)
+    prefix = tokens(rng, 100)
+    parts = [list(prefix) for _ in range(8)]
+    check(backend, reference, [prefix])
+    for _ in range(10):
+        parts = [p + tokens(rng, 1) for p in parts]
+        before = cache.tokens_computed
+        check(backend, reference, parts)
+        # Every parent is cached: one new token per distinct particle.
+        assert cache.tokens_computed - before == len({tuple(p) for p in parts})
+        parts = [list(rng.choice(parts)) for _ in parts]
+    stats = backend.kv_stats()
+    assert stats["tokens_requested"] == 100 + sum(8 * (100 + i) for i in range(1, 11))
+    assert stats["tokens_computed"] <= 100 + 80
+    assert stats["tokens_computed"] < stats["tokens_requested"] / 40
+    assert stats["tokens_reused"] >= stats["tokens_requested"] - 180
+    assert stats["entries"] > 0 and stats["bytes_used"] == cache.measured_bytes()
+
+
+def stored_tokens(cache: KVCache) -> int:
+    return sum(len(node.tokens) for node in cache._lru)
+
+
+def test_eviction_stays_in_budget_and_exact(model_dir: Path, reference: HFBackend) -> None:
+    backend = make_backend(model_dir, 1)
+    cache = cache_of(backend)
+    per_token = cache.layout.token_bytes()
+    assert per_token == 2 * 2 * (16 + 16) * 4  # layers x kv heads x (key + value dim) x float32
+    budget = 150 * per_token
+    cache.set_budget(budget)
+    for seed in (4, 5):
+        for batch in smc_batches(seed=seed, prefix=80, steps=8):
+            check(backend, reference, batch)
+            assert cache.bytes_used <= budget
+            # Real storage, measured by walking the trie, is exactly the stored positions.
+            assert cache.measured_bytes() == cache.bytes_used == stored_tokens(cache) * per_token
+    assert cache.evictions > 0
+    # The budget is honoured when it shrinks, and what is left still serves exact results.
+    cache.set_budget(40 * per_token)
+    assert cache.measured_bytes() == cache.bytes_used <= 40 * per_token
+    for batch in smc_batches(seed=4, prefix=80, steps=3):
+        check(backend, reference, batch)
+        assert cache.bytes_used <= 40 * per_token
+
+
+def test_lru_evicts_dead_particles_not_the_live_prefix(
+    model_dir: Path, reference: HFBackend
+) -> None:
+    backend = make_backend(model_dir, 1)
+    cache = cache_of(backend)
+    budget = 400 * cache.layout.token_bytes()
+    cache.set_budget(budget)
+    rng = random.Random(9)
+    parts = [tokens(rng, 80)] * 8
+    for step in range(60):
+        parts = [p + tokens(rng, 1) for p in parts]
+        before = cache.tokens_computed
+        got = backend.logprobs(parts, None)
+        if step % 15 == 0:
+            torch.testing.assert_close(got, reference.logprobs(parts, None), atol=ATOL, rtol=0)
+        if step:  # the shared prefix and live lineages stay: one token per distinct particle
+            assert cache.tokens_computed - before == len({tuple(p) for p in parts})
+        assert cache.bytes_used <= budget
+        parts = [rng.choice(parts) for _ in parts]
+    assert cache.evictions > 0
+
+
+def test_prompts_sharing_a_prefix_all_stay_cached(model_dir: Path, reference: HFBackend) -> None:
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    rng = random.Random(6)
+    system = tokens(rng, 40)
+    assert len(system) >= SHARE_MIN_TOKENS
+    # One batch of 16 prompts over an uncached shared prefix: the prefix runs once, is stored
+    # once, and every one of the 16 stays cached (genlm-backend 0.3.1 kept 1 of 16).
+    batch = [system + tokens(rng, 5) for _ in range(16)]
+    check(backend, reference, batch)
+    assert cache.tokens_computed == 40 + 16 * 5
+    assert cache.bytes_used == (40 + 16 * 5) * cache.layout.token_bytes()
+    assert all(cache.cached_length(p) == len(p) for p in batch)
+
+    # Branches inside stored segments split them: every branch is kept, nothing stored twice.
+    branches = [p[:42] + tokens(rng, 3) for p in batch] + [system[:20] + tokens(rng, 4)]
+    before = cache.tokens_computed
+    check(backend, reference, branches)
+    assert cache.tokens_computed - before == 16 * 3 + 4
+    assert all(cache.cached_length(p) == len(p) for p in batch + branches)
+    stored = 40 + 16 * 5 + 16 * 3 + 4
+    assert cache.measured_bytes() == cache.bytes_used == stored * cache.layout.token_bytes()
+
+    # 16 producers run their own particles over the same prefix; their batches interleave
+    # and arrive from 4 threads at once.
+    runs = [[p] * 4 for p in batch]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(6):
+            runs = [[p + tokens(rng, 1) for p in run] for run in runs]
+            rows = [p for run in runs for p in run]
+            rng.shuffle(rows)
+            chunks = [rows[i : i + 8] for i in range(0, len(rows), 8)]
+            results = pool.map(lambda c: backend.logprobs(c, None), chunks)
+            for chunk, got in zip(chunks, results, strict=True):
+                torch.testing.assert_close(got, reference.logprobs(chunk, None), atol=ATOL, rtol=0)
+    for run in runs:
+        assert all(cache.cached_length(p) == len(p) for p in run)
+    # The next step of every producer computes one token per distinct particle, nothing more.
+    nxt = [p + tokens(rng, 1) for run in runs for p in run]
+    before = cache.tokens_computed
+    check(backend, reference, nxt)
+    assert cache.tokens_computed - before == len({tuple(p) for p in nxt})
+
+
+def test_pin_keeps_a_prefix(model_dir: Path, reference: HFBackend) -> None:
+    backend = make_backend(model_dir, 1)
+    cache = cache_of(backend)
+    per_token = cache.layout.token_bytes()
+    cache.set_budget(120 * per_token)
+    rng = random.Random(7)
+    prefix = tokens(rng, 50)
+
+    def flood() -> None:
+        for _ in range(6):
+            check(backend, reference, [tokens(rng, 30) for _ in range(3)])
+            assert cache.bytes_used <= 120 * per_token
+
+    assert backend.pin_prefix(prefix)
+    assert cache.pinned_bytes == 50 * per_token
+    flood()
+    assert cache.cached_length(prefix) == 50
+    before = cache.tokens_computed
+    check(backend, reference, [[*prefix, 3], [*prefix[:20], 4]])
+    assert cache.tokens_computed - before == 2
+    assert not backend.pin_prefix(tokens(rng, 100)), "pins beyond the budget are refused"
+    assert cache.bytes_used <= 120 * per_token
+
+    assert cache.unpin(prefix)
+    flood()
+    assert cache.cached_length(prefix) < 50
+    cache.clear()
+    assert cache.bytes_used == cache.entries == cache.measured_bytes() == 0
+    check(backend, reference, [prefix])
+
+
+def test_namespaces_and_off_switch(model_dir: Path, reference: HFBackend) -> None:
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    prompt = tokens(random.Random(8), 12)
+    cache.last_logits([prompt], namespace="adapter-a")
+    assert cache.cached_length(prompt, namespace="adapter-a") == 12
+    assert cache.cached_length(prompt) == 0
+    assert reference.kv_stats()["bytes_used"] == 0
+    assert not reference.pin_prefix(prompt)
