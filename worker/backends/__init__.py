@@ -39,6 +39,10 @@ def load_backend(settings: Settings) -> Backend:
         from worker.backends.vllm import VLLMBackend
 
         return VLLMBackend(settings)
+    if name == "sglang":
+        from worker.backends.sglang import SGLangBackend
+
+        return SGLangBackend(settings)
     raise SettingsError(f"LMPOOL_BACKEND={name} is not available in this build")
 
 

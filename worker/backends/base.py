@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,43 @@ class ModelInfo:
     tokenizer_json: str
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
     adapters: list[str] = field(default_factory=list)
+
+
+def describe_model(
+    *,
+    model_setting: str,
+    source: Path,
+    tokenizer: Any,
+    dtype: torch.dtype,
+    vocab_size: int,
+    max_length: int,
+    eos_token_ids: list[int],
+    device: str,
+    adapters: list[str],
+    variant: str = "",
+) -> ModelInfo:
+    """The ``ModelInfo`` of a checkpoint loaded from ``source`` (a directory or a GGUF file).
+
+    The fingerprint covers the weights and the compute dtype (and ``variant``, e.g. a
+    quantization), not the engine: hf and vLLM results of one model share cache entries.
+    """
+    from shared.tokenizer import tokenizer_config
+    from worker.model_files import files_fingerprint
+
+    dtype_name = str(dtype).replace("torch.", "")
+    return ModelInfo(
+        name_or_path=str(model_setting or source.stem),
+        fingerprint=f"{files_fingerprint(source)}-{dtype_name}{variant}",
+        vocab_size=vocab_size,
+        max_length=max_length,
+        eos_token_ids=eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+        dtype=dtype_name,
+        device=device,
+        tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+        tokenizer_config=tokenizer_config(tokenizer),
+        adapters=sorted(adapters),
+    )
 
 
 class Backend(ABC):

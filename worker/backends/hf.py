@@ -14,10 +14,9 @@ from typing import Any, cast
 import torch
 
 from shared.settings import Settings
-from shared.tokenizer import tokenizer_config
-from worker.backends.base import Backend, ModelInfo, draw
+from worker.backends.base import Backend, describe_model, draw
 from worker.kv_cache import KVCache, UnsupportedModel
-from worker.model_files import converted_gguf, files_fingerprint, resolve_model
+from worker.model_files import converted_gguf, resolve_model
 
 log = logging.getLogger("lmpool.worker")
 
@@ -63,21 +62,18 @@ class HFBackend(Backend):
             eos_ids = [self.tokenizer.eos_token_id]
         self.pad_id = self.tokenizer.pad_token_id or (eos_ids[0] if eos_ids else 0)
         vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        fingerprint = files_fingerprint(source) + f"-{self.dtype}".replace("torch.", "")
-        if settings.quantization != "none":  # quantized weights give other results
-            fingerprint += f"-bnb{settings.quantization}"
-        self.info = ModelInfo(
-            name_or_path=str(settings.model or source.stem),
-            fingerprint=fingerprint,
+        self.info = describe_model(
+            model_setting=settings.model,
+            source=source,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
             vocab_size=vocab_size,
             max_length=int(getattr(config, "max_position_embeddings", 2048) or 2048),
             eos_token_ids=eos_ids,
-            bos_token_id=self.tokenizer.bos_token_id,
-            dtype=str(self.dtype).replace("torch.", ""),
             device=str(self.device),
-            tokenizer_json=self.tokenizer.backend_tokenizer.to_str(),
-            tokenizer_config=tokenizer_config(self.tokenizer),
             adapters=sorted(self.adapters),
+            # quantized weights give other results: other cache entries
+            variant="" if settings.quantization == "none" else f"-bnb{settings.quantization}",
         )
         log.info("loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size)
         self.kv_cache: KVCache | None = None

@@ -41,9 +41,8 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError, UnknownAdapter
 from shared.settings import Settings
-from shared.tokenizer import tokenizer_config
-from worker.backends.base import Backend, ModelInfo
-from worker.model_files import converted_gguf, files_fingerprint, resolve_model
+from worker.backends.base import Backend, describe_model
+from worker.model_files import converted_gguf, resolve_model
 
 log = logging.getLogger("lmpool.worker")
 
@@ -234,18 +233,15 @@ class VLLMBackend(Backend):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         eos_ids = eos_token_ids(path, config, self.tokenizer)
         vocab_size = int(model_config.get_vocab_size())
-        fingerprint = files_fingerprint(source) + f"-{self.dtype}".replace("torch.", "")
-        self.info = ModelInfo(
-            name_or_path=str(settings.model or source.stem),
-            fingerprint=fingerprint,
+        self.info = describe_model(
+            model_setting=settings.model,
+            source=source,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
             vocab_size=vocab_size,
             max_length=int(model_config.max_model_len),
             eos_token_ids=eos_ids,
-            bos_token_id=self.tokenizer.bos_token_id,
-            dtype=str(self.dtype).replace("torch.", ""),
             device=device_type,
-            tokenizer_json=self.tokenizer.backend_tokenizer.to_str(),
-            tokenizer_config=tokenizer_config(self.tokenizer),
             adapters=sorted(self._lora_requests),
         )
         self._warm_up()

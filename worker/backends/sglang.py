@@ -1,0 +1,109 @@
+"""SGLang backend: SGLang's scheduler in this process, driven by genlm-backend's
+``AsyncSGLTransformer`` (its ``batch_next_token_logprobs_sync`` takes the full-vocabulary
+log-probs straight from the logits of each scheduled batch).
+
+SGLang needs CUDA (its kernels ship for sm90/sm100), so this module stays small: it adapts that
+engine to lmpool's backend interface. ``score`` asks for the rows of every continuation prefix
+in one call (SGLang's radix cache makes the shared prefix cheap); ``sample`` is the base class's
+seeded loop, one engine call per token. Install with ``pip install lmpool[sglang]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.errors import SettingsError
+from shared.settings import Settings
+from worker.backends.base import Backend, describe_model
+from worker.model_files import converted_gguf, resolve_model
+
+log = logging.getLogger("lmpool.worker")
+INSTALL_HINT = "the sglang backend needs SGLang and genlm-backend: pip install lmpool[sglang]"
+
+
+def load_engine(path: Path, settings: Settings) -> Any:
+    """genlm-backend's SGLang wrapper around a scheduler for ``path``."""
+    try:
+        import sglang  # noqa: F401
+        from genlm.backend.llm.sgl import AsyncSGLTransformer
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    gpu_id = int(settings.device.split(":", 1)[1]) if settings.device.startswith("cuda:") else 0
+    return AsyncSGLTransformer.from_name(
+        str(path), engine_opts=settings.engine_kwargs(), gpu_id=gpu_id
+    )
+
+
+class SGLangBackend(Backend):
+    name = "sglang"
+
+    def __init__(
+        self, settings: Settings, engine_factory: Callable[[Path, Settings], Any] = load_engine
+    ) -> None:
+        super().__init__()
+        if settings.lora_adapters():
+            raise SettingsError("LMPOOL_LORA is not supported by the sglang backend yet")
+        if settings.device == "cpu":
+            raise SettingsError("the sglang backend runs on CUDA only; use hf or vllm on CPU")
+        source = resolve_model(settings.model)
+        path = converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
+        self.engine = engine_factory(path, settings)
+        self.tokenizer = self.engine.tokenizer
+        probe = self.engine.batch_next_token_logprobs_sync([[self._probe_token()]])
+        config = _model_config(self.engine)
+        eos = getattr(config, "eos_token_id", None) if config is not None else None
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if not eos_ids and self.tokenizer.eos_token_id is not None:
+            eos_ids = [self.tokenizer.eos_token_id]
+        self.info = describe_model(
+            model_setting=settings.model,
+            source=source,
+            tokenizer=self.tokenizer,
+            dtype=probe.dtype,
+            vocab_size=int(probe.shape[-1]),
+            max_length=int(getattr(config, "max_position_embeddings", 0) or 1 << 15),
+            eos_token_ids=[int(i) for i in eos_ids],
+            device=settings.device if settings.device != "auto" else "cuda",
+            adapters=[],
+        )
+        log.info("loaded %s with SGLang (vocab %d)", source, self.info.vocab_size)
+
+    def _probe_token(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return int(bos if bos is not None else 0)
+
+    def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        self._count(prompts)
+        rows = self.engine.batch_next_token_logprobs_sync(prompts)
+        return torch.as_tensor(rows).float().cpu()
+
+    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+        prefixes = [prompt + continuation[:i] for i in range(len(continuation))]
+        rows = self.logprobs(prefixes, lora)
+        return rows.gather(1, torch.tensor(continuation)[:, None])[:, 0]
+
+    def close(self) -> None:
+        cleanup = getattr(self.engine, "_cleanup_engine", None)
+        if callable(cleanup):
+            cleanup()
+        self.engine = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _model_config(engine: Any) -> Any:
+    """The HF config of the served model, wherever this SGLang version keeps it."""
+    for path in ("model.model_config.hf_config", "model.tp_worker.model_config.hf_config"):
+        obj = engine
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return obj
+    return None
