@@ -35,7 +35,7 @@ class Submission:
     digest: str
     message: bytes
     future: asyncio.Future[bytes]
-    priority: str
+    shard: int
 
 
 class PoolClient:
@@ -54,7 +54,7 @@ class PoolClient:
         )
         self._submit = self.redis.register_script(SUBMIT)
         self._pending: dict[str, asyncio.Future[bytes]] = {}
-        self._messages: dict[str, tuple[bytes, float]] = {}
+        self._messages: dict[str, tuple[bytes, int, float]] = {}
         """Message and last submission time of each pending digest, for re-sending."""
         self._waiting: dict[str, int] = {}
         self._queue: list[Submission] = []
@@ -72,7 +72,10 @@ class PoolClient:
             self._resender = asyncio.create_task(self._resend_loop(), name="lmpool-resend")
 
     # -- submit ---------------------------------------------------------------------------
-    async def request(self, digest: str, message: bytes, timeout_s: float) -> bytes:
+    def stream_of(self, shard: int) -> str:
+        return self.keys.stream(self.model, self.priority, shard)
+
+    async def request(self, digest: str, message: bytes, timeout_s: float, shard: int = 0) -> bytes:
         """Encoded result for ``digest``, submitting ``message`` unless already in flight."""
         if self._closed:
             raise LMPoolError("this RemoteLM is closed")
@@ -82,7 +85,7 @@ class PoolClient:
             fut = asyncio.get_running_loop().create_future()
             fut.add_done_callback(lambda _f: self._slots.release())
             self._pending[digest] = fut
-            self._enqueue(Submission(digest, message, fut, self.priority))
+            self._enqueue(Submission(digest, message, fut, shard))
         self._waiting[digest] = self._waiting.get(digest, 0) + 1
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
@@ -119,7 +122,7 @@ class PoolClient:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _enqueue(self, sub: Submission) -> None:
-        self._messages[sub.digest] = (sub.message, time.monotonic())
+        self._messages[sub.digest] = (sub.message, sub.shard, time.monotonic())
         self._queue.append(sub)
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush())
@@ -131,9 +134,9 @@ class PoolClient:
             await asyncio.sleep(period / 4)
             now = time.monotonic()
             for digest, fut in list(self._pending.items()):
-                message, sent_at = self._messages.get(digest, (b"", now))
+                message, shard, sent_at = self._messages.get(digest, (b"", 0, now))
                 if message and now - sent_at >= period and not fut.done():
-                    self._enqueue(Submission(digest, message, fut, self.priority))
+                    self._enqueue(Submission(digest, message, fut, shard))
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let every request of this tick join the pipeline
@@ -146,7 +149,7 @@ class PoolClient:
             pipe = self.redis.pipeline(transaction=False)
             ttl_ms = int(self.settings.timeout_s * 1000) + 5_000
             for sub in batch:
-                keys = submit_keys(self.keys, self.model, sub.digest, sub.priority)
+                keys = submit_keys(self.keys, self.model, sub.digest, self.stream_of(sub.shard))
                 args: list[Any] = [
                     self.reply_key,
                     sub.message,
@@ -239,15 +242,18 @@ class PoolClient:
         """One line on the model's queue for error messages."""
         try:
             workers = await registry.live_workers(self.redis, self.keys, self.model)
-            parts = [f"{len(workers)} live worker(s)"]
-            for stream in self.keys.streams(self.model):
-                length = await self.redis.xlen(stream)
+            totals = {"interactive": [0, 0], "offline": [0, 0]}
+            for stream in self.keys.streams(self.model, self.settings.shards):
+                kind = "offline" if stream.endswith(":low") else "interactive"
+                totals[kind][0] += await self.redis.xlen(stream)
                 try:
-                    pending = (await self.redis.xpending(stream, GROUP))["pending"]
+                    totals[kind][1] += int((await self.redis.xpending(stream, GROUP))["pending"])
                 except Exception:
-                    pending = 0
-                parts.append(f"{stream.rsplit(':', 1)[-1]} queue {length} ({pending} pending)")
-            return ", ".join(parts)
+                    pass  # no group yet: nothing pending
+            return ", ".join(
+                [f"{len(workers)} live worker(s)"]
+                + [f"{k} queue {n} ({p} pending)" for k, (n, p) in totals.items()]
+            )
         except Exception as e:
             return f"queue state unavailable: {e!r}"
 
@@ -306,13 +312,13 @@ class PoolClient:
             self._sync.close()
 
 
-def submit_keys(keys: Keys, model: str, digest: str, priority: str) -> list[str]:
+def submit_keys(keys: Keys, model: str, digest: str, stream: str) -> list[str]:
     """The KEYS of the SUBMIT script, in its order."""
     return [
         keys.result(model, digest),
         keys.waiters(model, digest),
         keys.inflight(model, digest),
-        keys.stream(model, priority),
+        stream,
         keys.stats(model),
     ]
 
@@ -330,25 +336,27 @@ class SyncSubmitter:
         self.reply_key = client.keys.reply(client.client_id + "-sync")
         self._submit = self.redis.register_script(SUBMIT)
 
-    def request_many(self, items: list[tuple[str, bytes]], timeout_s: float) -> dict[str, bytes]:
+    def request_many(
+        self, items: list[tuple[str, bytes, int]], timeout_s: float
+    ) -> dict[str, bytes]:
         c = self.client
         ttl_ms = int(timeout_s * 1000) + 5_000
         pipe = self.redis.pipeline(transaction=False)
-        for digest, message in items:
-            keys = submit_keys(c.keys, c.model, digest, c.priority)
+        for digest, message, shard in items:
+            keys = submit_keys(c.keys, c.model, digest, c.stream_of(shard))
             self._submit(
                 keys=keys,
                 args=[self.reply_key, message, ttl_ms, ttl_ms, c.settings.max_queue],
                 client=pipe,
             )
         results: dict[str, bytes] = {}
-        for (digest, _), answer in zip(items, pipe.execute(), strict=True):
+        for (digest, _, _), answer in zip(items, pipe.execute(), strict=True):
             if answer[0] == 1:
                 results[digest] = answer[1]
             elif answer[0] == 2:
                 raise QueueFull(f"queue of model {c.model!r} is full; retry later")
         deadline = time.monotonic() + timeout_s
-        wanted = {d for d, _ in items} - set(results)
+        wanted = {d for d, _, _ in items} - set(results)
         while wanted:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -21,6 +21,7 @@ from shared.cache import OutputCache
 from shared.errors import InvalidRequest, NoWorker
 from shared.keys import request_digest
 from shared.redis_conn import connect_redis
+from shared.routing import shard_of
 from shared.settings import Settings
 from shared.tokenizer import tokenizer_from_json
 
@@ -52,6 +53,8 @@ class RemoteLM:
         self._vocab: tuple[list[Any], list[str]] | None = None
         self._vocab_lock = threading.Lock()
         self.cache = OutputCache(cache_size)
+        self.affinity: str | None = None
+        """Default affinity key of this object's requests (e.g. an SMC run id)."""
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -87,8 +90,8 @@ class RemoteLM:
         )
         name = model or settings.served_model_name
         meta = await wait_for_model(settings, name)
-        if "max_queue" in meta:  # the pool's bound, set by its workers
-            settings = settings.replace(max_queue=int(meta["max_queue"]))
+        pool_wide = ("max_queue", "shards", "affinity_tokens")  # set by the workers
+        settings = settings.replace(**{k: int(meta[k]) for k in pool_wide if k in meta})
         client = PoolClient(settings, name, priority)
         client.start()
         return cls(client, meta, settings.timeout_s, cache_size)
@@ -142,32 +145,63 @@ class RemoteLM:
         )
         return digest, message
 
+    def _shard(self, ids: list[int], affinity: str | None) -> int:
+        s = self._client.settings
+        return shard_of(ids, s.shards, s.affinity_tokens, affinity or self.affinity)
+
     async def _call(
-        self, kind: str, token_ids: Ids, lora: str | None, params: dict[str, Any]
+        self,
+        kind: str,
+        token_ids: Ids,
+        lora: str | None,
+        params: dict[str, Any],
+        affinity: str | None = None,
     ) -> torch.Tensor:
         ids = self._ids(token_ids)
         digest, message = self._message(kind, ids, lora, params)
-        cached = self.cache.get(digest)
+        cacheable = kind != "cache_kv"
+        cached = self.cache.get(digest) if cacheable else None
         if cached is not None:
             return cached
-        result = protocol.decode_result(await self._client.request(digest, message, self.timeout_s))
-        self.cache[digest] = result
+        raw = await self._client.request(
+            digest, message, self.timeout_s, self._shard(ids, affinity)
+        )
+        result = protocol.decode_result(raw)
+        if cacheable:
+            self.cache[digest] = result
         return result
 
     async def next_token_logprobs(
-        self, token_ids: Ids, lora_name: str | None = None
+        self, token_ids: Ids, lora_name: str | None = None, *, affinity: str | None = None
     ) -> torch.Tensor:
-        """Normalized log-probs of the next token, a 1-D tensor of ``vocab_size``."""
-        return await self._call("logprobs", token_ids, lora_name, {})
+        """Normalized log-probs of the next token, a 1-D tensor of ``vocab_size``.
+
+        ``affinity`` (default: this object's ``affinity``) routes requests with the same key to
+        the same worker, whose KV cache then holds their common prefix; without one, the first
+        ``affinity_tokens`` tokens decide.
+        """
+        return await self._call("logprobs", token_ids, lora_name, {}, affinity)
 
     async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[Ids], lora_name: str | None = None
+        self,
+        token_ids_list: Sequence[Ids],
+        lora_name: str | None = None,
+        *,
+        affinity: str | None = None,
     ) -> torch.Tensor:
         """``[N, vocab_size]``; the N requests go to Redis in one pipeline."""
         rows = await asyncio.gather(
-            *(self.next_token_logprobs(ids, lora_name) for ids in token_ids_list)
+            *(self.next_token_logprobs(ids, lora_name, affinity=affinity) for ids in token_ids_list)
         )
         return torch.stack(rows)
+
+    async def cache_kv(
+        self, prompt_token_ids: Ids, lora_name: str | None = None, *, affinity: str | None = None
+    ) -> bool:
+        """Hint: compute this prefix's key/values on the worker that serves its shard and keep
+        them from eviction there. True if a worker pinned it (the hf backend's KV cache)."""
+        out = await self._call("cache_kv", prompt_token_ids, lora_name, {}, affinity)
+        return bool(out.item())
 
     def next_token_logprobs_sync(
         self, token_ids: Ids, lora_name: str | None = None
@@ -183,17 +217,18 @@ class RemoteLM:
     def _sync_call(
         self, kind: str, token_ids_list: Sequence[Ids], lora: str | None, params: dict[str, Any]
     ) -> list[torch.Tensor]:
-        messages = [self._message(kind, self._ids(ids), lora, params) for ids in token_ids_list]
+        all_ids = [self._ids(ids) for ids in token_ids_list]
+        messages = [self._message(kind, ids, lora, params) for ids in all_ids]
         out: dict[str, torch.Tensor] = {}
-        missing: list[tuple[str, bytes]] = []
-        for digest, message in messages:
+        missing: dict[str, tuple[str, bytes, int]] = {}
+        for ids, (digest, message) in zip(all_ids, messages, strict=True):
             hit = self.cache.get(digest)
             if hit is not None:
                 out[digest] = hit
-            elif digest not in out:
-                missing.append((digest, message))
+            else:
+                missing[digest] = (digest, message, self._shard(ids, None))
         if missing:
-            raw = self._client.sync().request_many(list(dict(missing).items()), self.timeout_s)
+            raw = self._client.sync().request_many(list(missing.values()), self.timeout_s)
             for digest, data in raw.items():
                 out[digest] = self.cache[digest] = protocol.decode_result(data)
         return [out[d] for d, _ in messages]

@@ -10,7 +10,9 @@ key                        type     holds
 ``P:meta:M``               hash     model metadata and serialized tokenizer, from workers
 ``P:workers:M``            zset     worker id -> last heartbeat (ms) for model ``M``
 ``P:worker:W``             hash     one worker's description and counters (expires)
-``P:req:M:high|low``       stream   requests for model ``M`` (interactive, offline)
+``P:req:M:high:S``         stream   interactive requests for model ``M``, shard ``S``
+``P:req:M:low``            stream   offline requests for model ``M``
+``P:lease:M:S``            string   id of the worker that owns shard ``S`` (expires)
 ``P:dead:M``               stream   requests that could not be answered (dead letters)
 ``P:stats:M``              hash     producer-side counters: cache_hits, queued, joined, rejected
 ``P:res:M:D``              string   result for content digest ``D`` (the shared output cache)
@@ -59,14 +61,20 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return self._k("worker", worker_id)
 
-    def stream(self, model: str, priority: str = "high") -> str:
+    def stream(self, model: str, priority: str = "high", shard: int = 0) -> str:
+        """Interactive requests are sharded (prefix affinity); offline ones share one stream."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
-        return self._k("req", model, priority)
+        if priority == "low":
+            return self._k("req", model, "low")
+        return self._k("req", model, "high", str(shard))
 
-    def streams(self, model: str) -> list[str]:
-        """Request streams of a model, highest priority first."""
-        return [self.stream(model, p) for p in PRIORITIES]
+    def streams(self, model: str, shards: int) -> list[str]:
+        """Request streams of a model: the interactive shards, then the offline stream."""
+        return [self.stream(model, "high", s) for s in range(shards)] + [self.stream(model, "low")]
+
+    def lease(self, model: str, shard: int) -> str:
+        return self._k("lease", model, str(shard))
 
     def stats(self, model: str) -> str:
         return self._k("stats", model)

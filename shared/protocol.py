@@ -16,7 +16,7 @@ from shared.codec import TensorDict, decode_tensor, encode_tensor
 from shared.errors import LMPoolError, ProtocolError, WireError, error_from_wire
 
 PROTOCOL_VERSION = 1
-KINDS = ("logprobs", "sample", "score")
+KINDS = ("logprobs", "sample", "score", "cache_kv")
 MESSAGE_FIELD = b"m"
 """Stream entry field that holds the encoded request."""
 MAX_RESULT_BYTES = 1 << 30
@@ -28,7 +28,8 @@ class Request(TypedDict):
     v: int
     """Protocol version (``PROTOCOL_VERSION``)."""
     kind: str
-    """``logprobs`` (next-token distribution), ``sample`` (a generation) or ``score``."""
+    """``logprobs`` (next-token distribution), ``sample`` (a generation), ``score``, or
+    ``cache_kv`` (pin a prefix in the serving worker's KV cache; never cached in Redis)."""
     digest: str
     """Content address of the result; the worker recomputes it and refuses a mismatch."""
     ids: list[int]

@@ -54,6 +54,14 @@ class Settings:
     """JSON object of extra vllm / sglang engine arguments, e.g. ``{"max_model_len": 4096}``."""
     kv_cache_mb: int = 512
     """hf backend: memory for cached key/value tensors of earlier prompts; 0 turns it off."""
+    shards: int = 4
+    """Interactive request streams per model. A prompt's shard comes from its first
+    ``affinity_tokens`` tokens (or the caller's affinity key); each shard is leased to one
+    worker, so prompts sharing a prefix meet the same KV cache."""
+    affinity_tokens: int = 32
+    """Leading tokens that pick a prompt's shard."""
+    steal_after_ms: float = 50.0
+    """An idle worker takes requests from another worker's shard once they waited this long."""
     max_batch: int = 16
     """Most requests read from the stream into one forward pass."""
     max_wait_ms: float = 2.0
@@ -109,11 +117,13 @@ class Settings:
             self.redis_url.startswith(("redis://", "rediss://", "unix://")),
             "LMPOOL_REDIS_URL must start with redis://, rediss:// or unix://",
         )
-        for name in ("max_batch", "max_in_flight", "max_queue", "max_deliveries"):
+        for name in (
+            "max_batch", "max_in_flight", "max_queue", "max_deliveries", "shards", "affinity_tokens"
+        ):  # fmt: skip
             _check(getattr(self, name) >= 1, f"LMPOOL_{name.upper()} must be >= 1")
         for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "claim_after_s", "resend_s"):
             _check(getattr(self, name) > 0, f"LMPOOL_{name.upper()} must be > 0")
-        for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port"):
+        for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port", "steal_after_ms"):
             _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
         _check(
             self.quantization in QUANTIZATIONS,

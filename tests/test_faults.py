@@ -23,11 +23,13 @@ from producer import RemoteLM
 from shared.errors import DeadLettered, QueueFull
 from shared.keys import GROUP, Keys
 from shared.redis_server import RedisServer
+from shared.settings import Settings
 from worker.backends.mock import MockBackend
 
 V = 300
 MODEL = f"mock-{V}"
 KEYS = Keys()
+STREAMS = KEYS.streams(MODEL, Settings().shards)
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -39,7 +41,7 @@ def pending_count(url: str) -> int:
     r = redis.Redis.from_url(url)
     try:
         total = 0
-        for stream in KEYS.streams(MODEL):
+        for stream in STREAMS:
             if r.exists(stream):
                 total += int(r.xpending(stream, GROUP)["pending"])
         return total
@@ -186,15 +188,13 @@ async def test_in_flight_requests_are_bounded_per_producer(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
     workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=50, max_batch=2)
-    from shared.settings import Settings
-
     settings = Settings(redis_url=redis_url, max_in_flight=4)
     r = redis.Redis.from_url(redis_url)
     seen: list[int] = []
     async with await RemoteLM.connect(model=MODEL, settings=settings) as lm:
         task = asyncio.gather(*(lm.next_token_logprobs([i, 2]) for i in range(40)))
         while not task.done():
-            seen.append(r.xlen(KEYS.stream(MODEL)))
+            seen.append(sum(r.xlen(s) for s in STREAMS))
             await asyncio.sleep(0.01)
         await task
     r.close()

@@ -58,7 +58,9 @@ async def test_status_and_metrics_on_a_live_pool(
     worker = model["workers"][0]
     assert worker["backend"] == "mock" and worker["device"] == "cpu" and worker["max_batch"] == 16
     assert worker["rows"] == 20
-    assert model["streams"]["high"] == {"length": 0, "pending": 0}
+    assert len(model["streams"]) == 5  # four interactive shards and the offline stream
+    assert all(s == {"length": 0, "pending": 0} for s in model["streams"].values())
+    assert worker["shards"] == [0, 1, 2, 3]  # the only worker owns every shard
     assert model["dead_letters"] == 1
     assert model["producer_counters"]["cache_hits"] == 10
     assert model["shared_cache_hit_rate"] == pytest.approx(10 / 30)

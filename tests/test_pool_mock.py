@@ -106,7 +106,7 @@ async def test_timeout_when_the_worker_is_gone_names_queue_state(
 ) -> None:
     lm = await RemoteLM.connect(redis_url, model=MODEL, timeout_s=1.0)
     mock_worker.kill()
-    with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s.*high queue 1"):
+    with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s.*interactive queue 1"):
         await lm.next_token_logprobs([42, 43])
     await lm.close()
 

@@ -28,6 +28,7 @@ from shared.redis_conn import TRANSIENT, Backoff
 from shared.scripts import FINISH
 from shared.settings import Settings
 from worker.backends.base import Backend
+from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 
 log = logging.getLogger("lmpool.worker")
@@ -94,7 +95,9 @@ class Consumer:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.model = settings.served_model_name
-        self.streams = self.keys.streams(self.model)
+        self.streams = self.keys.streams(self.model, settings.shards)
+        self.leases: LeaseKeeper | None = None
+        """Set by the pool worker; None means this consumer owns every shard."""
         self.name = consumer_name
         self.stats = Stats()
         self.metrics: Metrics | None = None
@@ -177,15 +180,35 @@ class Consumer:
             self._reader_done.set()
             self._have.set()
 
+    def _shard_streams(self) -> tuple[list[str], list[str]]:
+        """Interactive streams of the shards this worker owns, and of the others."""
+        shards = self.settings.shards
+        owned = set(range(shards)) if self.leases is None else self.leases.owned
+        mine = [self.keys.stream(self.model, "high", s) for s in sorted(owned)]
+        others = [self.keys.stream(self.model, "high", s) for s in range(shards) if s not in owned]
+        return mine, others
+
     async def _read(self, count: int) -> list[Entry]:
-        """Up to ``count`` new entries, high priority first; blocks briefly when all are empty."""
+        """Up to ``count`` new entries in this order: own shards, other shards whose owner is
+        gone or lagging (stealing), offline work; blocks briefly when there is none."""
+        mine, others = self._shard_streams()
+        low = self.keys.stream(self.model, "low")
         try:
-            for stream in self.streams:
-                reply = await self.redis.xreadgroup(GROUP, self.name, {stream: ">"}, count=count)
-                if reply:
-                    return parse_entries(reply)
+            for streams in (mine, await self._stealable(others), [low]):
+                if streams:
+                    reply = await self.redis.xreadgroup(
+                        GROUP, self.name, dict.fromkeys(streams, ">"), count=count
+                    )
+                    if reply:
+                        return parse_entries(reply)
+            # Block on our own streams; with other shards around, wake up soon to look again.
+            block_ms = int(2 * self.settings.steal_after_ms) if others else BLOCK_MS
             reply = await self.redis.xreadgroup(
-                GROUP, self.name, dict.fromkeys(self.streams, ">"), count=count, block=BLOCK_MS
+                GROUP,
+                self.name,
+                dict.fromkeys([*mine, low], ">"),
+                count=count,
+                block=max(min(block_ms, BLOCK_MS), 1),
             )
             return parse_entries(reply)
         except ResponseError as e:
@@ -193,6 +216,43 @@ class Consumer:
                 raise
             await self.ensure_groups()  # the stream was deleted under us (FLUSHDB, DEL)
             return []
+
+    async def _stealable(self, streams: list[str]) -> list[str]:
+        """Those of ``streams`` with undelivered entries that nobody owns, or whose oldest
+        undelivered entry waited ``steal_after_ms``: their owner is dead or busy."""
+        if not streams:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        for stream in streams:
+            shard = int(stream.rsplit(":", 1)[1])
+            pipe.exists(self.keys.lease(self.model, shard))
+            pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
+        seconds, micros = replies[0]
+        now_ms = seconds * 1000 + micros // 1000
+        lagging: list[tuple[str, bytes]] = []
+        out: list[str] = []
+        for i, stream in enumerate(streams):
+            owned, groups = replies[1 + 2 * i], replies[2 + 2 * i]
+            group = next((g for g in groups or [] if _s(g.get("name")) == GROUP), None)
+            if isinstance(groups, Exception) or group is None or not group.get("lag"):
+                continue
+            if not owned:
+                out.append(stream)
+            else:
+                lagging.append((stream, group["last-delivered-id"]))
+        if lagging:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, last in lagging:
+                pipe.xrange(stream, min=b"(" + _b(last), count=1)
+            for (stream, _), first in zip(lagging, await pipe.execute(), strict=True):
+                if (
+                    first
+                    and now_ms - int(_s(first[0][0]).split("-")[0]) >= self.settings.steal_after_ms
+                ):
+                    out.append(stream)
+        return out
 
     # -- compute ------------------------------------------------------------------------
     async def _compute_loop(self) -> None:
@@ -306,7 +366,7 @@ class Consumer:
                 req["ids"] + cont, req["lora"], self.settings.max_prompt_tokens
             )
         elif params:
-            raise InvalidRequest(f"logprobs takes no parameters, got {sorted(params)}")
+            raise InvalidRequest(f"{kind} takes no parameters, got {sorted(params)}")
         expected = request_digest(
             self.backend.info.fingerprint,
             kind,
@@ -373,6 +433,12 @@ class Consumer:
         try:
             if req["kind"] == "logprobs":
                 out = self.backend.logprobs([req["ids"]], req["lora"])[0]
+            elif req["kind"] == "cache_kv":
+                import torch
+
+                pin = getattr(self.backend, "pin_prefix", None)
+                pinned = bool(pin(req["ids"], req["lora"])) if callable(pin) else False
+                out = torch.tensor([int(pinned)], dtype=torch.int64)
             elif req["kind"] == "sample":
                 import torch
 
@@ -404,7 +470,9 @@ class Consumer:
                 result, reply = b"", protocol.encode_reply(job.digest, error=job.error)
             else:
                 assert job.result is not None
-                result, reply = job.result, protocol.encode_reply(job.digest, job.result)
+                reply = protocol.encode_reply(job.digest, job.result)
+                # a cache_kv answer describes this worker's state, not the model: not shared
+                result = b"" if job.request["kind"] == "cache_kv" else job.result
             keys = [
                 self.keys.result(self.model, job.digest),
                 self.keys.waiters(self.model, job.digest),
@@ -473,6 +541,14 @@ def check_sample_params(params: dict[str, Any], vocab_size: int) -> None:
         raise InvalidRequest(f"seed must be an int or None, got {seed!r}")
     if set(params) - {"max_tokens", "eos", "temperature", "seed"}:
         raise InvalidRequest(f"unknown sample parameters {sorted(params)}")
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _b(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def parse_entries(reply: Any) -> list[Entry]:

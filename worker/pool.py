@@ -20,6 +20,7 @@ from shared.redis_conn import connect_redis
 from shared.settings import Settings
 from worker.backends.base import Backend
 from worker.consumer import Consumer
+from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.reclaim import reclaim_loop
 
@@ -37,6 +38,15 @@ class PoolWorker:
         self.consumer = Consumer(self.redis, backend, settings, self.worker_id)
         self.metrics = Metrics(self.model, backend.name)
         self.consumer.metrics = self.metrics
+        self.leases = LeaseKeeper(
+            self.redis,
+            self.keys,
+            self.model,
+            self.worker_id,
+            settings.shards,
+            ttl_ms=int(3 * settings.heartbeat_s * 1000),
+        )
+        self.consumer.leases = self.leases
         self.started_at = time.time()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -47,6 +57,7 @@ class PoolWorker:
         await self._publish_meta()
         await self.consumer.ensure_groups()
         await self._beat()
+        await self._rebalance()
         self._tasks = [
             asyncio.create_task(self.consumer.run(), name="lmpool-consumer"),
             asyncio.create_task(self._heartbeat_loop(), name="lmpool-heartbeat"),
@@ -58,15 +69,17 @@ class PoolWorker:
         """Publish model metadata; refuse to mix different weights under one model name."""
         meta = dataclasses.asdict(self.backend.info)
         old = await registry.read_meta(self.redis, self.keys, self.model)
-        clash = old is not None and old.get("fingerprint") != meta["fingerprint"]
-        if clash and await registry.live_workers(self.redis, self.keys, self.model):
-            raise SettingsError(
-                f"model name {self.model!r} is served by live workers with fingerprint "
-                f"{old and old.get('fingerprint')}, this worker has {meta['fingerprint']}: "
-                "set LMPOOL_MODEL_NAME to tell them apart"
-            )
         meta["backend"] = self.backend.name
-        meta["max_queue"] = self.settings.max_queue
+        for name in ("max_queue", "shards", "affinity_tokens"):  # pool-wide: producers use them
+            meta[name] = getattr(self.settings, name)
+        if old is not None and await registry.live_workers(self.redis, self.keys, self.model):
+            for name in ("fingerprint", "shards", "affinity_tokens"):
+                if name in old and old[name] != meta[name]:
+                    raise SettingsError(
+                        f"model name {self.model!r} is served by live workers with {name} "
+                        f"{old[name]!r}, this worker has {meta[name]!r}: align the settings, "
+                        "or set LMPOOL_MODEL_NAME to tell the two apart"
+                    )
         await registry.write_meta(self.redis, self.keys, self.model, meta)
 
     def describe(self) -> dict[str, Any]:
@@ -93,7 +106,20 @@ class PoolWorker:
             "requests_per_s": round(st.per_second(), 2),
             "busy_s": round(st.busy_s, 3),
             "kv": self.kv_stats(),
+            "shards": sorted(self.leases.owned),
         }
+
+    async def _rebalance(self) -> None:
+        live = await registry.live_workers(self.redis, self.keys, self.model)
+        before = set(self.leases.owned)
+        after = await self.leases.refresh(len(live))
+        if after != before:
+            log.info(
+                "shards owned: %s (of %d, %d live workers)",
+                sorted(after),
+                self.settings.shards,
+                len(live),
+            )
 
     def kv_stats(self) -> dict[str, int]:
         stats = getattr(self.backend, "kv_stats", None)
@@ -122,6 +148,7 @@ class PoolWorker:
                 return
             try:
                 await self._beat()
+                await self._rebalance()
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
@@ -133,6 +160,10 @@ class PoolWorker:
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 log.error("worker task ended with %r", r)
+        try:
+            await self.leases.release_all()
+        except Exception:
+            log.warning("could not release shard leases; they expire by themselves")
         await registry.unregister(self.redis, self.keys, self.model, self.worker_id)
         await self.redis.aclose()
         self.metrics.close()

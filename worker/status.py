@@ -42,8 +42,9 @@ async def _model(redis: Redis, keys: Keys, model: str) -> dict[str, Any]:
         if info:
             info["id"] = wid
             workers.append(info)
+    meta = await registry.read_meta(redis, keys, model) or {}
     streams = {}
-    for stream in keys.streams(model):
+    for stream in keys.streams(model, int(meta.get("shards", 1))):
         length = await redis.xlen(stream)
         pending = 0
         if length or await redis.exists(stream):
@@ -51,7 +52,8 @@ async def _model(redis: Redis, keys: Keys, model: str) -> dict[str, Any]:
                 pending = int((await redis.xpending(stream, GROUP))["pending"])
             except Exception:
                 pending = 0
-        streams[stream.rsplit(":", 1)[-1]] = {"length": length, "pending": pending}
+        name = "low" if stream.endswith(":low") else "high:" + stream.rsplit(":", 1)[-1]
+        streams[name] = {"length": length, "pending": pending}
     raw_stats = await redis.hgetall(keys.stats(model))  # type: ignore[misc]
     stats = {_s(k): int(v) for k, v in raw_stats.items()}
     asked = sum(stats.get(k, 0) for k in ("cache_hits", "queued", "joined"))

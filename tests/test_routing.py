@@ -1,0 +1,116 @@
+"""Prefix-affinity routing: shards, leases, rebalancing on join and death, work stealing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from producer import RemoteLM
+from shared.routing import shard_of
+from worker.backends.mock import MockBackend
+
+V = 300
+MODEL = f"mock-{V}"
+MOCK = {"backend": "mock", "mock_vocab_size": V}
+pytestmark = pytest.mark.timeout(180)
+
+
+def reference(ids: list[int]) -> torch.Tensor:
+    return MockBackend(V).logprobs([ids], None)[0]
+
+
+def test_shard_choice() -> None:
+    prompt = list(range(40))
+    assert shard_of(prompt, 1, 32) == 0
+    # the first 32 tokens decide: a longer prompt with the same head stays on its shard
+    assert shard_of(prompt, 8, 32) == shard_of([*prompt, 7, 7, 7], 8, 32)
+    assert shard_of([1], 8, 32, affinity="run-1") == shard_of([2, 3], 8, 32, affinity="run-1")
+    spread = Counter(shard_of([i, i + 1], 8, 32) for i in range(800))
+    assert set(spread) == set(range(8)) and min(spread.values()) > 50
+
+
+async def wait_for(check: Callable[[], bool], timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+def shards_of(w: Any) -> list[int]:
+    return list(w.info().get("shards", []))
+
+
+@pytest.mark.asyncio
+async def test_leases_rebalance_when_workers_join_and_die(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    a = workers(redis_url, **MOCK)
+    await wait_for(lambda: shards_of(a) == [0, 1, 2, 3])
+    b = workers(redis_url, **MOCK)
+    await wait_for(lambda: len(shards_of(a)) == 2 and len(shards_of(b)) == 2)
+    assert set(shards_of(a)).isdisjoint(shards_of(b))
+
+    prompts = [[i, i % 7, 3] for i in range(300)]
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
+        first = asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts[:150]))
+        a.kill()
+        rest = asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts[150:]))
+        results = [*await first, *await rest]
+        await wait_for(lambda: shards_of(b) == [0, 1, 2, 3])
+    for got, ids in zip(results, prompts, strict=True):
+        assert torch.equal(got, reference(ids))
+
+
+@pytest.mark.asyncio
+async def test_one_affinity_key_reaches_one_worker(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    pool = [workers(redis_url, **MOCK) for _ in range(2)]
+    await wait_for(lambda: all(len(shards_of(w)) == 2 for w in pool))
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        for step in range(20):  # an SMC run: one request at a time, each a token longer
+            await lm.next_token_logprobs([5] * (step + 1), affinity="smc-run-1")
+        rows = [int(w.info()["rows"]) for w in pool]
+        await wait_for(lambda: sum(int(w.info()["rows"]) for w in pool) == 20)
+    rows = sorted(int(w.info()["rows"]) for w in pool)
+    assert rows == [0, 20], rows
+
+
+@pytest.mark.asyncio
+async def test_an_idle_worker_steals_from_a_busy_shard(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    pool = [
+        workers(redis_url, **MOCK, mock_delay_ms=40, max_batch=2, steal_after_ms=30)
+        for _ in range(2)
+    ]
+    await wait_for(lambda: all(len(shards_of(w)) == 2 for w in pool))
+    prompts = [[i, 1, 2] for i in range(120)]
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
+        results = await asyncio.gather(
+            *(lm.next_token_logprobs(p, affinity="one-hot-shard") for p in prompts)
+        )
+    for got, ids in zip(results, prompts, strict=True):
+        assert torch.equal(got, reference(ids))
+    await wait_for(lambda: sum(int(w.info()["rows"]) for w in pool) == 120)
+    rows = [int(w.info()["rows"]) for w in pool]
+    assert min(rows) >= 20, f"the idle worker should have taken a share: {rows}"
+
+
+@pytest.mark.asyncio
+async def test_cache_kv_pins_on_the_serving_worker(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Any
+) -> None:
+    workers(redis_url, model=str(tiny_llama), kv_cache_mb=16)
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        assert await lm.cache_kv(list(range(1, 60)), affinity="run-7") is True
+        assert await lm.cache_kv(list(range(1, 60)), affinity="run-7") is True  # not cached
+    workers(redis_url, **MOCK)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        assert await lm.cache_kv([1, 2, 3]) is False  # no KV cache in the mock backend
