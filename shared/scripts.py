@@ -1,9 +1,21 @@
 """Lua scripts that make the request path atomic (keys come from ``shared.keys``).
 
 SUBMIT (producer) and FINISH (worker) together guarantee that a waiting producer is answered
-exactly when its result exists: either SUBMIT finds the result, or FINISH finds the producer
-among the digest's waiters. A digest is queued once however many producers ask for it.
+exactly when its result exists. The worker SETs the result, then runs FINISH, which takes the
+digest's waiter set: a SUBMIT before the SET is in that set, one after it finds the result. A
+digest is queued once however many producers ask for it.
+
+The result itself never passes through Lua: moving a 200 KB value in and out of a script costs
+Redis several times the CPU of a plain SET and RPUSH (``bench/reply_paths.py`` notes).
+Scripts are called by SHA in pipelines (``Script.queue``) and loaded once, again on NOSCRIPT:
+redis-py's own Script objects add a ``SCRIPT EXISTS`` round trip to every pipeline.
 """
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
 
 SUBMIT = """
 -- KEYS: result, waiters, inflight, stream, stats
@@ -32,14 +44,52 @@ return {0, 0}
 """
 
 FINISH = """
--- KEYS: result, waiters, inflight
--- ARGV: result (empty for an error), reply, result ttl ms, reply ttl ms
-if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3]) end
-local ws = redis.call('SMEMBERS', KEYS[2])
-for _, w in ipairs(ws) do
-  redis.call('RPUSH', w, ARGV[2])
-  redis.call('PEXPIRE', w, ARGV[4])
-end
-redis.call('DEL', KEYS[2], KEYS[3])
-return #ws
+-- KEYS: waiters, inflight. Run after the result (if any) is SET. Returns the reply lists.
+local ws = redis.call('SMEMBERS', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+return ws
 """
+
+
+class Script:
+    """A Lua script called by SHA; ``run`` loads it (once) when Redis does not know it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def load(self, redis: Any) -> None:
+        await redis.script_load(self.source)
+
+    def load_sync(self, redis: Any) -> None:
+        redis.script_load(self.source)
+
+
+async def execute(
+    redis: Any, build: Callable[[Any], None], scripts: Sequence[Script], raise_on_error: bool = True
+) -> list[Any]:
+    """Build and run a non-transactional pipeline; on NOSCRIPT load ``scripts`` and run it again.
+
+    Every command lmpool pipelines is safe to repeat, so a second run after a partial first one
+    changes nothing but the missing parts.
+    """
+    for attempt in (1, 2):
+        pipe = redis.pipeline(transaction=False)
+        build(pipe)
+        try:
+            results: list[Any] = await pipe.execute(raise_on_error=raise_on_error)
+        except NoScriptError:
+            results = [NoScriptError()]
+        if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+            for script in scripts:
+                await script.load(redis)
+            continue
+        return results
+    raise AssertionError("unreachable")
+
+
+SUBMIT_SCRIPT = Script(SUBMIT)
+FINISH_SCRIPT = Script(FINISH)

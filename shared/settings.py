@@ -64,12 +64,14 @@ class Settings:
     """An idle worker takes requests from another worker's shard once they waited this long."""
     max_batch: int = 16
     """Most requests read from the stream into one forward pass."""
-    max_wait_ms: float = 2.0
-    """How long a partly filled batch waits for more requests before it runs."""
+    max_wait_ms: float = 0.0
+    """How long a partly filled batch waits for more requests before it runs. Under load,
+    batches fill anyway while the model runs; a wait only adds latency at low load."""
     max_prompt_tokens: int = 0
     """Longest prompt accepted; 0 means the model's context length."""
-    result_ttl_s: int = 3600
-    """Lifetime of a result in the shared cache (and of reply lists)."""
+    result_ttl_s: int = 600
+    """Lifetime of a result in the shared cache (and of reply lists). Each result is a vocabulary
+    row (49,152 float32 = 196 KB for SmolLM2): size Redis' memory for rate x TTL x row."""
     timeout_s: float = 120.0
     """Producer: seconds a request waits for its answer before ``RequestTimeout``."""
     connect_timeout_s: float = 30.0
@@ -101,6 +103,9 @@ class Settings:
     """LoRA adapters the worker loads: ``name=path,name2=path2``."""
     cache_dir: str = field(default_factory=_default_cache_dir)
     """Where workers keep converted copies of GGUF models."""
+    torch_threads: int = 0
+    """Worker: torch intra-op threads; 0 keeps torch's default (one per core). Set 1 when
+    workers share few cores."""
     metrics_port: int = 0
     """Worker Prometheus metrics port; 0 disables the endpoint."""
     log_level: str = "INFO"
@@ -123,7 +128,9 @@ class Settings:
             _check(getattr(self, name) >= 1, f"LMPOOL_{name.upper()} must be >= 1")
         for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "claim_after_s", "resend_s"):
             _check(getattr(self, name) > 0, f"LMPOOL_{name.upper()} must be > 0")
-        for name in ("max_wait_ms", "max_prompt_tokens", "metrics_port", "steal_after_ms"):
+        for name in (
+            "max_wait_ms", "max_prompt_tokens", "metrics_port", "steal_after_ms", "torch_threads"
+        ):  # fmt: skip
             _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
         _check(
             self.quantization in QUANTIZATIONS,
@@ -220,18 +227,13 @@ def _check(ok: bool, message: str) -> None:
 
 def settings_table() -> str:
     """Markdown table of every setting, its default and its meaning (README's settings table)."""
-    import ast
     import inspect
-    import itertools
+    import re
 
-    # Field docstrings are string expressions right after each field: read them from the source.
-    tree = ast.parse(inspect.getsource(Settings))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        field_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and field_doc:
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    # Each field's docstring is the string literal right after it in the class body.
+    source = inspect.getsource(Settings)
+    pattern = re.compile(r'^    (\w+): [^\n]*\n    """(.*?)"""', re.S | re.M)
+    docs = {name: " ".join(doc.split()) for name, doc in pattern.findall(source)}
     defaults = Settings()
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for f in fields(Settings):
@@ -243,5 +245,18 @@ def settings_table() -> str:
     return "\n".join(rows)
 
 
+def update_readme(path: str) -> None:
+    """Replace the settings table in the README at ``path`` with the current one."""
+    text = Path(path).read_text()
+    start = text.index("| variable | default | meaning |")
+    end = text.index("\n\n", start)
+    Path(path).write_text(text[:start] + settings_table() + text[end:])
+
+
 if __name__ == "__main__":
-    print(settings_table())
+    import sys
+
+    if sys.argv[1:2] == ["--update"]:  # python -m shared.settings --update README.md
+        update_readme(sys.argv[2])
+    else:
+        print(settings_table())

@@ -239,7 +239,9 @@ async def test_key_count_returns_to_baseline_after_producers_vanish(
         result_ttl_s=1,
     )  # fmt: skip
     r = redis.Redis.from_url(redis_url)
-    await asyncio.sleep(0.5)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        await lm.next_token_logprobs([1, 1])  # creates the model's persistent counters
+    await wait_until(lambda: not list(r.scan_iter("lmpool:res:*")), 10, "the warm-up to expire")
     baseline = set(r.keys())
     proc = subprocess.Popen(
         [sys.executable, "-c", PRODUCER_SCRIPT, redis_url, MODEL], stdout=subprocess.PIPE

@@ -116,6 +116,8 @@ async def test_two_workers_two_producers_many_requests_each_computed_once(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
     pool = [workers(redis_url, backend="mock", mock_vocab_size=V) for _ in range(2)]
+    while not all(len(w.info().get("shards", [])) == 2 for w in pool):
+        await asyncio.sleep(0.05)  # leases settle: each worker owns two of the four shards
     distinct = [[i % 250, i // 250, 7] for i in range(240)]
     lms = [await RemoteLM.connect(redis_url, model=MODEL) for _ in range(2)]
     # Each producer asks every distinct prompt, some twice, all at once.

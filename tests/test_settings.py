@@ -61,7 +61,10 @@ def test_bad_values_fail_at_start_up(var: str, value: str) -> None:
 
 
 def test_readme_settings_table_is_current() -> None:
-    """README lists every setting with its default (regenerate: python -m shared.settings)."""
+    """README lists every setting with its default.
+
+    Regenerate with: python -m shared.settings --update README.md
+    """
     from pathlib import Path
 
     from shared.settings import settings_table

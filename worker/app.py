@@ -39,6 +39,10 @@ async def startup(ctx: dict[str, Any]) -> None:
 
     settings = load_settings()
     setup_logging(settings.log_level)
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     backend = await asyncio.to_thread(load_backend, settings)
     pool = PoolWorker(settings, backend)
     await pool.start()

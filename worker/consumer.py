@@ -25,7 +25,7 @@ from shared.errors import InvalidRequest, LMPoolError, ProtocolError, WireError,
 from shared.keys import GROUP, Keys, request_digest
 from shared.protocol import Request
 from shared.redis_conn import TRANSIENT, Backoff
-from shared.scripts import FINISH
+from shared.scripts import FINISH_SCRIPT, execute
 from shared.settings import Settings
 from worker.backends.base import Backend
 from worker.leases import LeaseKeeper
@@ -101,7 +101,6 @@ class Consumer:
         self.name = consumer_name
         self.stats = Stats()
         self.metrics: Metrics | None = None
-        self._finish = redis.register_script(FINISH)
         self._buffer: list[Entry] = []
         self._reclaimable: list[tuple[str, str]] = []
         self._have = asyncio.Event()
@@ -229,14 +228,20 @@ class Consumer:
             pipe.exists(self.keys.lease(self.model, shard))
             pipe.xinfo_groups(stream)
         replies = await pipe.execute(raise_on_error=False)
+        if any(isinstance(r, TRANSIENT) for r in replies):
+            raise next(r for r in replies if isinstance(r, TRANSIENT))
+        if isinstance(replies[0], Exception):
+            return []
         seconds, micros = replies[0]
         now_ms = seconds * 1000 + micros // 1000
         lagging: list[tuple[str, bytes]] = []
         out: list[str] = []
         for i, stream in enumerate(streams):
             owned, groups = replies[1 + 2 * i], replies[2 + 2 * i]
+            if isinstance(owned, Exception) or isinstance(groups, Exception):
+                continue  # a stream not created yet, say: nothing to take
             group = next((g for g in groups or [] if _s(g.get("name")) == GROUP), None)
-            if isinstance(groups, Exception) or group is None or not group.get("lag"):
+            if group is None or not group.get("lag"):
                 continue
             if not owned:
                 out.append(stream)
@@ -460,25 +465,39 @@ class Consumer:
             self.stats.errors += 1
 
     async def _write(self, jobs: list[Job], dead: list[tuple[Entry, str]]) -> None:
-        """One pipeline: results and replies, dead letters, then XACK + XDEL."""
+        """Two pipelines: SET each result then FINISH it (which hands back its waiters); then
+        the replies, dead letters, and XACK + XDEL of every entry."""
         ttl_ms = self.settings.result_ttl_s * 1000
+
+        def results_then_finish(pipe: Any) -> None:
+            for job in jobs:
+                # a cache_kv answer describes this worker's state, not the model: not shared
+                shared = job.request["kind"] != "cache_kv" and not job.nobody_waits
+                if job.result is not None and job.error is None and shared:
+                    pipe.set(self.keys.result(self.model, job.digest), job.result, px=ttl_ms)
+                FINISH_SCRIPT.queue(
+                    pipe,
+                    [
+                        self.keys.waiters(self.model, job.digest),
+                        self.keys.inflight(self.model, job.digest),
+                    ],
+                    [],
+                )
+
+        outcome = await execute(self.redis, results_then_finish, [FINISH_SCRIPT])
+        waiters = [w for w in outcome if isinstance(w, list)]
         pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            if job.nobody_waits:
-                result, reply = b"", b""
-            elif job.error is not None:
-                result, reply = b"", protocol.encode_reply(job.digest, error=job.error)
+        for job, lists in zip(jobs, waiters, strict=True):
+            if not lists or job.nobody_waits:
+                continue
+            if job.error is not None:
+                reply = protocol.encode_reply(job.digest, error=job.error)
             else:
                 assert job.result is not None
                 reply = protocol.encode_reply(job.digest, job.result)
-                # a cache_kv answer describes this worker's state, not the model: not shared
-                result = b"" if job.request["kind"] == "cache_kv" else job.result
-            keys = [
-                self.keys.result(self.model, job.digest),
-                self.keys.waiters(self.model, job.digest),
-                self.keys.inflight(self.model, job.digest),
-            ]
-            await self._finish(keys=keys, args=[result, reply, ttl_ms, ttl_ms], client=pipe)
+            for reply_list in lists:
+                pipe.rpush(reply_list, reply)
+                pipe.pexpire(reply_list, ttl_ms)
         for entry, reason in dead:
             self._dead_letter(pipe, entry, reason)
         self._ack(pipe, [e for j in jobs for e in j.entries] + [e for e, _ in dead])
