@@ -1,0 +1,213 @@
+"""Helpers shared by the benchmark scripts: output with a header, timing loops, worker processes.
+
+Imported as ``benchkit`` by ``bench/*.py`` (run as ``python bench/NAME.py``: the script's own
+folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+REPO = Path(__file__).resolve().parent.parent
+ARQ = str(Path(sys.executable).parent / "arq")
+
+
+# -- output -------------------------------------------------------------------------------
+class Report:
+    """Prints to stdout and, with ``--out``, to a file headed by the command and the date.
+
+    ``append``: add this run after what the file holds (one file for repeated runs).
+    """
+
+    def __init__(self, out: str | None, append: bool = False) -> None:
+        self._file: TextIO | None = None
+        if out:
+            path = Path(out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a" if append else "w")
+            if append and path.stat().st_size:
+                self._file.write("\n")
+        self.line("$ " + command_line())
+        self.line(f"# date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+        self.line(f"# host: {platform.node()}, {os.cpu_count()} CPUs, load {load_average()}")
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+        if self._file is not None:
+            self._file.write(text + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def command_line() -> str:
+    """The command that started this script, as typed from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(REPO)
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+# -- measurements -------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+@dataclass
+class Cell:
+    """One closed-loop measurement: completions in the window and the latencies of them."""
+
+    done: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.done / self.seconds if self.seconds > 0 else 0.0
+
+    def p(self, q: float) -> float:
+        """Latency percentile in milliseconds."""
+        return 1000 * percentile(self.latencies, q)
+
+
+async def closed_loop(
+    call: Callable[[], Awaitable[object]],
+    in_flight: int,
+    warm_s: float,
+    run_s: float,
+    grace_s: float = 60.0,
+) -> Cell:
+    """``in_flight`` loops each awaiting ``call()`` back to back for ``warm_s + run_s`` seconds.
+
+    Counts the calls that complete inside the measuring window (after the warm-up) and keeps
+    the latency of those that also started inside it. No loop starts a call after the window.
+    """
+    t0 = time.perf_counter() + warm_s
+    t_end = t0 + run_s
+    latencies: list[float] = []
+    done = 0
+
+    async def one() -> None:
+        nonlocal done
+        while (start := time.perf_counter()) < t_end:
+            await call()
+            end = time.perf_counter()
+            if t0 <= end <= t_end:
+                done += 1
+                if start >= t0:
+                    latencies.append(end - start)
+
+    await asyncio.wait_for(
+        asyncio.gather(*(one() for _ in range(in_flight))), warm_s + run_s + grace_s
+    )
+    return Cell(done, run_s, latencies)
+
+
+# -- worker processes ---------------------------------------------------------------------
+class Worker:
+    """``arq worker.WorkerSettings`` in a subprocess with the given ``LMPOOL_*`` settings."""
+
+    def __init__(self, redis_url: str, extra_env: dict[str, str] | None = None, **settings: Any):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
+        env.update({"LMPOOL_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"})
+        env.update({f"LMPOOL_{k.upper()}": str(v) for k, v in settings.items()})
+        env.update(extra_env or {})
+        self.env = env
+        self.log_path = Path(tempfile.mkdtemp(prefix="lmpool-bench-")) / "worker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Worker:
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [ARQ, "worker.WorkerSettings"], env=self.env, cwd=REPO, stdout=log, stderr=log
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; only the given process."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def connect_remote_lm(
+    worker: Worker, redis_url: str, model: str, timeout_s: float, request_timeout_s: float
+) -> Any:
+    """``RemoteLM`` of ``model`` once ``worker`` serves it; fails early if the worker dies."""
+    from producer import RemoteLM
+    from shared.errors import NoWorker
+    from shared.settings import Settings
+
+    settings = Settings(redis_url=redis_url, timeout_s=request_timeout_s, connect_timeout_s=2.0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not worker.alive():
+            raise RuntimeError(f"worker exited at start:\n{worker.log_tail()}")
+        try:
+            return await RemoteLM.connect(model=model, cache_size=0, settings=settings)
+        except NoWorker:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"worker not ready after {timeout_s:g}s:\n{worker.log_tail()}"
+                ) from None
+
+
+@contextlib.contextmanager
+def cleanup_on_signal() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so ``finally`` blocks stop what was started."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,199 @@
+"""SMC-shaped workload through the pool: KV cache on vs off, affinity vs none, genlm's case.
+
+Particles share a prompt; each step every particle asks for the next-token distribution of its
+own prefix (one token longer than the last step), then draws a token; every 4th step the
+particles are resampled, which duplicates some. Phases, each on fresh workers and a flushed Redis:
+
+A. one hf worker, KV cache on: requests/s, tokens requested vs computed, KV hit rate
+B. one hf worker, KV cache off (fewer steps: each costs a full forward of every prefix)
+C. two workers, KV on, two concurrent SMC runs: KV hit rate with affinity (LMPOOL_SHARDS=4, one
+   affinity key per run) and without (LMPOOL_SHARDS=1: any worker takes any request)
+D. genlm-backend's favourite case: P prompts sharing a prefix plus 8 distinct tokens, through the
+   pool with no cache_kv call, against genlm-backend's AsyncTransformer in this process after an
+   explicit cache_kv of the prefix.
+
+    python bench/smc.py                       # defaults sized for 2 CPU cores
+    python bench/smc.py --particles 64 --steps 32 --prompt-tokens 256   # the full shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import benchkit
+import redis
+import torch
+
+from shared.redis_server import RedisServer
+from shared.settings import DEFAULT_MODEL_NAME
+
+
+async def smc(lm: Any, prompt: list[int], particles: int, steps: int, affinity: str | None,
+              seed: int) -> tuple[int, int, float]:  # fmt: skip
+    """Run one SMC loop; returns (requests, tokens requested, seconds)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [list(prompt) for _ in range(particles)]
+    requests = tokens = 0
+    started = time.perf_counter()
+    for step in range(steps):
+        rows = await asyncio.gather(*(lm.next_token_logprobs(s, affinity=affinity) for s in seqs))
+        requests += len(seqs)
+        tokens += sum(map(len, seqs))
+        drawn = [int(torch.multinomial(r.float().exp(), 1, generator=gen)) for r in rows]
+        seqs = [[*s, t] for s, t in zip(seqs, drawn, strict=True)]
+        if step % 4 == 3:  # resampling duplicates some particles, drops others
+            seqs = [list(seqs[i]) for i in sorted(rng.choices(range(particles), k=particles))]
+    return requests, tokens, time.perf_counter() - started
+
+
+def kv_totals(url: str) -> dict[str, int]:
+    """Sum of the KV counters in every live worker's heartbeat."""
+    import json
+
+    r = redis.Redis.from_url(url)
+    totals: dict[str, int] = {}
+    for key in r.scan_iter("lmpool:worker:*"):
+        raw = r.hget(key, "kv")
+        for k, v in (json.loads(raw) if raw else {}).items():
+            totals[k] = totals.get(k, 0) + int(v)
+    r.close()
+    return totals
+
+
+async def settle(url: str, seconds: float = 1.0) -> dict[str, int]:
+    await asyncio.sleep(seconds)  # two heartbeats: the counters are final
+    return kv_totals(url)
+
+
+def start(url: str, n: int, **settings: Any) -> list[benchkit.Worker]:
+    common = {"heartbeat_s": 0.3, "max_batch": 64, "max_wait_ms": 2}
+    common.update(settings)
+    return [benchkit.Worker(url, **common).start() for _ in range(n)]
+
+
+async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[str | None],
+                steps: int, **settings: Any) -> dict[str, Any]:  # fmt: skip
+    redis.Redis.from_url(url).flushall()
+    workers = start(url, n_workers, **settings)
+    try:
+        lm = await benchkit.connect_remote_lm(workers[0], url, DEFAULT_MODEL_NAME, 600, 3600)
+        # every worker must be up before the clock starts
+        while (
+            len(redis.Redis.from_url(url).zrange(f"lmpool:workers:{DEFAULT_MODEL_NAME}", 0, -1))
+            < n_workers
+        ):
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)  # leases settle
+        prompt = random.Random(args.seed).choices(range(1000, 40000), k=args.prompt_tokens)
+        outs = await asyncio.gather(
+            *(
+                smc(lm, prompt, args.particles, steps, run, args.seed + i)
+                for i, run in enumerate(runs)
+            )
+        )
+        await lm.close()
+        kv = await settle(url)
+    finally:
+        for w in workers:
+            w.stop()
+    requests = sum(o[0] for o in outs)
+    seconds = max(o[2] for o in outs)
+    return {
+        "requests": requests,
+        "tokens": sum(o[1] for o in outs),
+        "seconds": seconds,
+        "rps": requests / seconds,
+        "kv": kv,
+        "hit": kv.get("tokens_reused", 0) / max(kv.get("tokens_requested", 0), 1),
+    }
+
+
+async def genlm_case(url: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(pool seconds, genlm-backend seconds) for P prompts = shared prefix + 8 tokens."""
+    rng = random.Random(args.seed + 99)
+    prefix = rng.choices(range(1000, 40000), k=args.prompt_tokens)
+    prompts = [prefix + rng.choices(range(1000, 40000), k=8) for _ in range(args.particles)]
+    redis.Redis.from_url(url).flushall()
+    workers = start(url, 1)
+    try:
+        lm = await benchkit.connect_remote_lm(workers[0], url, DEFAULT_MODEL_NAME, 600, 3600)
+        t0 = time.perf_counter()
+        await lm.batch_next_token_logprobs(prompts)
+        pool_s = time.perf_counter() - t0
+        await lm.close()
+    finally:
+        for w in workers:
+            w.stop()
+    from genlm.backend.llm import AsyncTransformer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.settings import Settings
+    from worker.model_files import converted_gguf, default_model_path
+
+    path = converted_gguf(default_model_path(), Path(Settings().cache_dir))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), batch_size=64)
+    t0 = time.perf_counter()
+    ref.cache_kv(prefix)
+    await ref.batch_next_token_logprobs(prompts)
+    return pool_s, time.perf_counter() - t0
+
+
+async def main_async(args: argparse.Namespace, report: benchkit.Report) -> None:
+    with RedisServer() as server:
+        url = server.url
+        p = f"{args.particles} particles, {args.prompt_tokens}-token prompt"
+        a = await phase(url, args, 1, [None], args.steps)
+        report.line(
+            f"A. KV on,  1 worker, {p}, {args.steps} steps: {a['requests']} requests in "
+            f"{a['seconds']:.1f}s = {a['rps']:.1f} req/s; tokens requested {a['tokens']}, "
+            f"computed {a['kv'].get('tokens_computed')}, KV hit rate {a['hit']:.3f}"
+        )
+        b = await phase(url, args, 1, [None], args.off_steps, kv_cache_mb=0)
+        report.line(
+            f"B. KV off, 1 worker, {p}, {args.off_steps} steps: {b['requests']} requests "
+            f"in {b['seconds']:.1f}s = {b['rps']:.2f} req/s"
+        )
+        report.line(f"   KV on / off: {a['rps'] / b['rps']:.1f}x (target >= 4x)")
+        runs = ["run-a", "run-b"]
+        c1 = await phase(url, args, 2, runs, args.steps, shards=4)
+        c0 = await phase(url, args, 2, runs, args.steps, shards=1)
+        report.line(
+            f"C. 2 workers, 2 concurrent runs, {args.steps} steps: KV hit rate with affinity "
+            f"{c1['hit']:.3f} ({c1['rps']:.1f} req/s), without {c0['hit']:.3f} "
+            f"({c0['rps']:.1f} req/s); single worker {a['hit']:.3f}"
+        )
+        report.line(f"   affinity / single worker: {c1['hit'] / a['hit']:.3f} (target >= 0.9)")
+        if not args.skip_genlm:
+            pool_s, genlm_s = await genlm_case(url, args)
+            report.line(
+                f"D. {args.particles} prompts = shared {args.prompt_tokens}-token prefix + 8: "
+                f"pool (no cache_kv) {pool_s:.2f}s, genlm-backend in-process with cache_kv "
+                f"{genlm_s:.2f}s; genlm / pool = {genlm_s / pool_s:.2f} (target >= 1)"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--particles", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--off-steps", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-genlm", action="store_true")
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args(argv)
+    report = benchkit.Report(args.out)
+    with benchkit.cleanup_on_signal():
+        asyncio.run(main_async(args, report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
