@@ -75,6 +75,7 @@ async def test_one_affinity_key_reaches_one_worker(
     # idle worker may take it (by design); here only the leases decide
     pool = [workers(redis_url, **MOCK, steal_after_ms=60_000) for _ in range(2)]
     await wait_for(lambda: all(len(shards_of(w)) == 2 for w in pool))
+    await asyncio.sleep(0.5)  # reads blocked before the leases moved have returned
     async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
         for step in range(20):  # an SMC run: one request at a time, each a token longer
             await lm.next_token_logprobs([5] * (step + 1), affinity="smc-run-1")

@@ -200,8 +200,11 @@ class Consumer:
                     )
                     if reply:
                         return parse_entries(reply)
-            # Block on our own streams; with other shards around, wake up soon to look again.
-            block_ms = int(2 * self.settings.steal_after_ms) if others else BLOCK_MS
+            # Block on our own streams, no longer than a heartbeat (when leases may change);
+            # with other shards around, wake up soon to look for work to take over.
+            block_ms = min(BLOCK_MS, int(1000 * self.settings.heartbeat_s))
+            if others:
+                block_ms = min(block_ms, int(2 * self.settings.steal_after_ms))
             reply = await self.redis.xreadgroup(
                 GROUP,
                 self.name,
