@@ -63,9 +63,11 @@ class PoolClient:
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._backoff = Backoff()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sync: SyncSubmitter | None = None
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self._listener is None:
             self._listener = asyncio.create_task(self._listen(), name="lmpool-listener")
             self._resender = asyncio.create_task(self._resend_loop(), name="lmpool-resend")
@@ -289,6 +291,11 @@ class PoolClient:
         if self._closed:
             return
         self._closed = True
+        if self._loop is not asyncio.get_running_loop():
+            # connected under another event loop, now gone (asyncio.run(connect()) then sync
+            # calls): its clients cannot be used here; tidy up with a blocking client
+            self.sync().close()
+            return
         pending = list(self._pending)
         self.reset()
         tasks = [t for t in (self._listener, self._resender, self._flush_task) if t is not None]
@@ -377,6 +384,6 @@ class SyncSubmitter:
 
     def close(self) -> None:
         try:
-            self.redis.delete(self.reply_key)
+            self.redis.delete(self.reply_key, self.client.reply_key)
         finally:
             self.redis.close()

@@ -1,21 +1,47 @@
-"""Logging set-up shared by workers and command-line tools."""
+"""Logging set-up shared by workers and command-line tools.
+
+``LMPOOL_LOG_FORMAT=json`` writes one JSON object per line (time, level, logger, pid, message,
+and any ``extra`` fields such as ``digest`` and ``worker``) for log collectors; ``text`` (the
+default) writes the same on one human-readable line.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from typing import Any
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 
-def setup_logging(level: str = "INFO") -> None:
-    """One line per record with time, process and logger; idempotent."""
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Configure the ``lmpool`` loggers; idempotent."""
     root = logging.getLogger("lmpool")
+    root.setLevel(level.upper())
     if root.handlers:
-        root.setLevel(level.upper())
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
-    )
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+        )
     root.addHandler(handler)
-    root.setLevel(level.upper())
     root.propagate = False

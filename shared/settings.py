@@ -109,7 +109,9 @@ class Settings:
     metrics_port: int = 0
     """Worker Prometheus metrics port; 0 disables the endpoint."""
     log_level: str = "INFO"
-    """Python logging level of the worker."""
+    """Python logging level of the worker (DEBUG lists every batch's request digests)."""
+    log_format: str = "text"
+    """Worker log lines: ``text``, or ``json`` (one object per line, for log collectors)."""
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"LMPOOL_BACKEND must be one of {BACKENDS}")
@@ -138,6 +140,7 @@ class Settings:
         )
         self.engine_kwargs()  # validates the JSON
         _check(self.kv_cache_mb >= 0, "LMPOOL_KV_CACHE_MB must be >= 0")
+        _check(self.log_format in ("text", "json"), "LMPOOL_LOG_FORMAT must be text or json")
         _check(self.result_ttl_s >= 1, "LMPOOL_RESULT_TTL_S must be >= 1")
         _check(self.mock_vocab_size >= 2, "LMPOOL_MOCK_VOCAB_SIZE must be >= 2")
         _check(self.max_message_bytes >= 1024, "LMPOOL_MAX_MESSAGE_BYTES must be >= 1024")

@@ -155,3 +155,25 @@ async def test_shared_cache_serves_a_second_producer_without_the_queue(
         assert torch.equal(await c.next_token_logprobs([9, 9]), reference([9, 9]))
     assert await mock_worker.wait_counter("requests", 3) == 3  # computed again
     r.close()
+
+
+def test_sync_use_without_an_event_loop(redis_url: str, mock_worker: Any) -> None:
+    """A plain script: connect with asyncio.run, then only blocking calls."""
+    lm = asyncio.run(RemoteLM.connect(redis_url, model=MODEL))
+    assert torch.equal(lm.next_token_logprobs_sync([1, 2]), reference([1, 2]))
+    rows = lm.batch_next_token_logprobs_sync([[3], [4, 5], [3]])
+    assert torch.equal(rows[2], reference([3])) and torch.equal(rows[1], reference([4, 5]))
+    with pytest.raises(InvalidRequest):
+        lm.next_token_logprobs_sync([V + 1])
+    asyncio.run(lm.close())
+
+
+def test_backend_auto_selection() -> None:
+    from shared.settings import Settings
+    from worker.backends import choose_backend
+
+    assert choose_backend(Settings(backend="mock")) == "mock"
+    assert choose_backend(Settings(backend="sglang")) == "sglang"
+    # no CUDA on this machine: auto is hf (vllm needs CUDA and vLLM)
+    assert not torch.cuda.is_available()
+    assert choose_backend(Settings()) == "hf"

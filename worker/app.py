@@ -38,7 +38,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     from worker.pool import PoolWorker
 
     settings = load_settings()
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     if settings.torch_threads:
         import torch
 

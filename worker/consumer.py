@@ -309,14 +309,17 @@ class Consumer:
         self.stats.record_batch(len(entries))
         if self.metrics is not None:
             self.metrics.observe_batch([e.entry_id for e in entries], elapsed, outcomes(jobs, dead))
-        log.debug(
-            "batch of %d entries, %d distinct, %d computed in %.1f ms: %s",
-            len(entries),
-            len(jobs),
-            len(todo),
-            1000 * elapsed,
-            " ".join(f"{j.digest[:12]}={outcome_of(j)}" for j in jobs),
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            answered = {j.digest: outcome_of(j) for j in jobs}
+            log.debug(
+                "batch of %d entries, %d distinct, %d computed in %.1f ms: %s",
+                len(entries),
+                len(jobs),
+                len(todo),
+                1000 * elapsed,
+                " ".join(f"{d[:12]}={o}" for d, o in answered.items()),
+                extra={"worker": self.name, "requests": answered, "seconds": elapsed},
+            )
 
     async def _until_done(self, step: Callable[[], Awaitable[None]]) -> bool:
         """Run a Redis step until it succeeds, riding out outages; False if stopped meanwhile.
@@ -463,7 +466,12 @@ class Consumer:
                 out = self.backend.score(req["ids"], params["cont"], req["lora"]).float()
             job.result = protocol.encode_result(out)
         except Exception as e:
-            log.warning("request %s failed: %r", job.digest, e)
+            log.warning(
+                "request %s failed: %r",
+                job.digest,
+                e,
+                extra={"digest": job.digest, "worker": self.name},
+            )
             job.error = error_to_wire(e)
             self.stats.errors += 1
 
