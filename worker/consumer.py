@@ -10,6 +10,7 @@ pending, and another worker reclaims them (see ``worker.reclaim``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -34,6 +35,8 @@ from worker.metrics import Metrics
 log = logging.getLogger("lmpool.worker")
 BLOCK_MS = 1000
 """Longest blocking read: also the longest a stop waits for the reader."""
+INTERACTIVE_RECENT_S = 5.0
+"""Offline work runs in small batches for this long after the last interactive request."""
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Consumer:
         self.metrics: Metrics | None = None
         self._buffer: list[Entry] = []
         self._reclaimable: list[tuple[str, str]] = []
+        self._last_interactive = -1e9
         self._have = asyncio.Event()
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -187,16 +191,28 @@ class Consumer:
         others = [self.keys.stream(self.model, "high", s) for s in range(shards) if s not in owned]
         return mine, others
 
+    def _offline_count(self, count: int) -> int:
+        """How much offline work to take now. None while other entries wait (offline work is
+        never read ahead of interactive work), and small batches while interactive requests
+        came recently, so that one arriving waits for a short batch, not a full one."""
+        if self._buffer:
+            return 0
+        if time.monotonic() - self._last_interactive < INTERACTIVE_RECENT_S:
+            return min(count, max(1, self.settings.max_batch // 4))
+        return count
+
     async def _read(self, count: int) -> list[Entry]:
         """Up to ``count`` new entries in this order: own shards, other shards whose owner is
         gone or lagging (stealing), offline work; blocks briefly when there is none."""
         mine, others = self._shard_streams()
         low = self.keys.stream(self.model, "low")
+        offline = self._offline_count(count)
         try:
-            for streams in (mine, await self._stealable(others), [low]):
-                if streams:
+            stealable = await self._stealable(others)
+            for streams, n in ((mine, count), (stealable, count), ([low], offline)):
+                if streams and n:
                     reply = await self.redis.xreadgroup(
-                        GROUP, self.name, dict.fromkeys(streams, ">"), count=count
+                        GROUP, self.name, dict.fromkeys(streams, ">"), count=n
                     )
                     if reply:
                         return parse_entries(reply)
@@ -205,12 +221,24 @@ class Consumer:
             block_ms = min(BLOCK_MS, int(1000 * self.settings.heartbeat_s))
             if others:
                 block_ms = min(block_ms, int(2 * self.settings.steal_after_ms))
+            block_ms = max(block_ms, 1)
+            if self._buffer:
+                # entries wait for the model: look again as soon as it takes them (offline
+                # work may then be read), rather than block on the interactive streams alone
+                self._room.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), block_ms / 1000)
+                return []
+            streams = [*mine, low] if offline else mine
+            if not streams:
+                await asyncio.sleep(block_ms / 1000)
+                return []
             reply = await self.redis.xreadgroup(
                 GROUP,
                 self.name,
-                dict.fromkeys([*mine, low], ">"),
-                count=count,
-                block=max(min(block_ms, BLOCK_MS), 1),
+                dict.fromkeys(streams, ">"),
+                count=min(count, offline) if offline else count,
+                block=block_ms,
             )
             return parse_entries(reply)
         except ResponseError as e:
@@ -276,8 +304,12 @@ class Consumer:
                 continue
             if len(self._buffer) < self.settings.max_batch and self.settings.max_wait_ms:
                 await asyncio.sleep(self.settings.max_wait_ms / 1000)
+            # interactive entries first (sort is stable: arrival order within each kind)
+            self._buffer.sort(key=lambda e: e.stream.endswith(":low"))
             batch = self._buffer[: self.settings.max_batch]
             del self._buffer[: self.settings.max_batch]
+            if any(not e.stream.endswith(":low") for e in batch):
+                self._last_interactive = time.monotonic()
             self._room.set()
             await asyncio.shield(self.process(batch))
 
