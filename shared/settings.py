@@ -71,7 +71,8 @@ class Settings:
     """Longest prompt accepted; 0 means the model's context length."""
     result_ttl_s: int = 600
     """Lifetime of a result in the shared cache (and of reply lists). Each result is a vocabulary
-    row (49,152 float32 = 196 KB for SmolLM2): size Redis' memory for rate x TTL x row."""
+    row (49,152 float32 = 196 KB for SmolLM2): budget Redis' memory at about 1.6 x rate x TTL x
+    row (allocator rounding, and expired keys not yet freed; measured by ``bench/soak.py``)."""
     timeout_s: float = 120.0
     """Producer: seconds a request waits for its answer before ``RequestTimeout``."""
     connect_timeout_s: float = 30.0
