@@ -64,6 +64,10 @@ class Settings:
     """An idle worker takes requests from another worker's shard once they waited this long."""
     max_batch: int = 16
     """Most requests read from the stream into one forward pass."""
+    offline_batch: int = 4
+    """Most offline (low priority) rows per batch while interactive requests came in the last
+    5 s: an arriving interactive request waits for at most one batch this small. Otherwise
+    offline batches are ``max_batch``."""
     max_wait_ms: float = 0.0
     """How long a partly filled batch waits for more requests before it runs. Under load,
     batches fill anyway while the model runs; a wait only adds latency at low load."""
@@ -126,7 +130,8 @@ class Settings:
             "LMPOOL_REDIS_URL must start with redis://, rediss:// or unix://",
         )
         for name in (
-            "max_batch", "max_in_flight", "max_queue", "max_deliveries", "shards", "affinity_tokens"
+            "max_batch", "max_in_flight", "max_queue", "max_deliveries", "shards",
+            "affinity_tokens", "offline_batch",
         ):  # fmt: skip
             _check(getattr(self, name) >= 1, f"LMPOOL_{name.upper()} must be >= 1")
         for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "claim_after_s", "resend_s"):

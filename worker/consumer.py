@@ -37,6 +37,12 @@ BLOCK_MS = 1000
 """Longest blocking read: also the longest a stop waits for the reader."""
 INTERACTIVE_RECENT_S = 5.0
 """Offline work runs in small batches for this long after the last interactive request."""
+INTERACTIVE_GRACE_S = 0.005
+"""After an interactive batch, offline work waits this long: a caller that sends its next
+request as soon as it has an answer (an SMC loop) gets it in ahead of the offline queue."""
+OFFLINE_SHARE_EVERY = 4
+"""...except after this many interactive batches in a row: then one offline batch may run, so
+a busy interactive caller never stops a batch job completely."""
 
 
 @dataclass
@@ -107,6 +113,10 @@ class Consumer:
         self._buffer: list[Entry] = []
         self._reclaimable: list[tuple[str, str]] = []
         self._last_interactive = -1e9
+        self._busy = False
+        self._offline_after = 0.0
+        self._held_back = 0
+        """Interactive batches since offline work last ran (for its guaranteed share)."""
         self._have = asyncio.Event()
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -193,13 +203,14 @@ class Consumer:
 
     def _offline_count(self, count: int) -> int:
         """How much offline work to take now. None while other entries wait (offline work is
-        never read ahead of interactive work), and small batches while interactive requests
-        came recently, so that one arriving waits for a short batch, not a full one."""
-        if self._buffer:
+        never read ahead of interactive work). While interactive requests came recently: none
+        while the model is busy (an interactive request arriving meanwhile goes next) and small
+        batches when it is idle, so that one arriving waits for a short batch at most."""
+        now = time.monotonic()
+        recent = now - self._last_interactive < INTERACTIVE_RECENT_S
+        if self._buffer or (recent and self._busy) or now < self._offline_after:
             return 0
-        if time.monotonic() - self._last_interactive < INTERACTIVE_RECENT_S:
-            return min(count, max(1, self.settings.max_batch // 4))
-        return count
+        return min(count, self.settings.offline_batch) if recent else count
 
     async def _read(self, count: int) -> list[Entry]:
         """Up to ``count`` new entries in this order: own shards, other shards whose owner is
@@ -221,10 +232,13 @@ class Consumer:
             block_ms = min(BLOCK_MS, int(1000 * self.settings.heartbeat_s))
             if others:
                 block_ms = min(block_ms, int(2 * self.settings.steal_after_ms))
+            grace_ms = (self._offline_after - time.monotonic()) * 1000
+            if grace_ms > 0:  # hold offline work back: the next interactive request is near
+                block_ms = min(block_ms, int(grace_ms) + 1)
             block_ms = max(block_ms, 1)
-            if self._buffer:
-                # entries wait for the model: look again as soon as it takes them (offline
-                # work may then be read), rather than block on the interactive streams alone
+            if self._buffer or (self._busy and not offline):
+                # the model is busy or has work waiting: look again as soon as that changes
+                # (offline work may then be read), rather than block on interactive streams
                 self._room.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._room.wait(), block_ms / 1000)
@@ -311,7 +325,19 @@ class Consumer:
             if any(not e.stream.endswith(":low") for e in batch):
                 self._last_interactive = time.monotonic()
             self._room.set()
-            await asyncio.shield(self.process(batch))
+            self._busy = True
+            try:
+                await asyncio.shield(self.process(batch))
+            finally:
+                self._busy = False
+                if all(e.stream.endswith(":low") for e in batch):
+                    self._held_back = 0
+                elif self._held_back < OFFLINE_SHARE_EVERY:
+                    self._held_back += 1
+                    self._offline_after = time.monotonic() + INTERACTIVE_GRACE_S
+                else:  # offline work's guaranteed share: no grace this time
+                    self._offline_after = 0.0
+                self._room.set()  # wake the reader: the model is free
 
     async def _process_reclaimed(self, stream: str, entry_id: str) -> None:
         claimed: list[Entry] = []
