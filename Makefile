@@ -31,6 +31,7 @@ test: install
 test-vllm:
 	[ -x .venv-vllm/bin/python ] || .ci/vllm-env.sh
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_backend_suite.py -k vllm
 
 # On a CUDA machine (torch with CUDA; pip install -e ".[vllm,sglang,bnb]" for every engine).
 test-gpu: install

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 ARQ = str(Path(sys.executable).parent / "arq")
@@ -136,4 +137,70 @@ def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
     byte_tokenizer(vocab_size).save_pretrained(path)
+    return path
+
+
+# -- a model every backend can load (vLLM's CPU attention needs head dim >= 32) -----------------
+VOCAB = 1000
+EOS = 2
+RANK, ALPHA = 8, 16
+
+
+def build_model(path: Path) -> Path:
+    """A random Llama (head dim 32: vLLM's CPU attention needs >= 32) and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    words = specials + [f"w{i}" for i in range(VOCAB - len(specials))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.05,  # logits spread wider than the default 0.02 gives
+        bos_token_id=1,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)  # float32: torch's default dtype
+    return path
+
+
+def build_adapter(path: Path, seed: int = 1) -> Path:
+    """A PEFT-format LoRA adapter (q_proj and v_proj of both layers), written without peft."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, out_features in (("q_proj", 128), ("v_proj", 64)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, 128, generator=g) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, RANK, generator=g) * 0.1
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
     return path
