@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -197,6 +197,24 @@ async def connect_remote_lm(
                 raise RuntimeError(
                     f"worker not ready after {timeout_s:g}s:\n{worker.log_tail()}"
                 ) from None
+
+
+def run_reported(
+    run: Callable[[Any, Report], Coroutine[Any, Any, None]],
+    args: Any,
+    header: tuple[str, ...] = (),
+) -> int:
+    """``asyncio.run(run(args, report))`` with the report headed, closed, and SIGTERM turned
+    into cleanup; the ``main`` of every benchmark script."""
+    report = Report(args.out, getattr(args, "append", False))
+    for line in header:
+        report.line(line)
+    try:
+        with cleanup_on_signal():
+            asyncio.run(run(args, report))
+    finally:
+        report.close()
+    return 0
 
 
 @contextlib.contextmanager

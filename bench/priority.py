@@ -214,15 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the output to this file")
     parser.add_argument("--append", action="store_true", help="append to --out, not replace")
     args = parser.parse_args(argv)
-    report = Report(args.out, args.append)
-    report.line(poolbench.SHARED_NOTE)
-    report.line(poolbench.code_version())
-    try:
-        with benchkit.cleanup_on_signal():
-            asyncio.run(run(args, report))
-    finally:
-        report.close()
-    return 0
+    return benchkit.run_reported(
+        run, args, header=(poolbench.SHARED_NOTE, poolbench.code_version())
+    )
 
 
 if __name__ == "__main__":

@@ -423,13 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.paths.split(",")) - set(PATHS)
     if unknown:
         parser.error(f"unknown paths {sorted(unknown)}; choose from {list(PATHS)}")
-    report = Report(args.out, args.append)
-    try:
-        with benchkit.cleanup_on_signal():
-            asyncio.run(run(args, report))
-    finally:
-        report.close()
-    return 0
+    return benchkit.run_reported(run, args)
 
 
 if __name__ == "__main__":

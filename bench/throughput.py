@@ -273,13 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         print("vllm not installed: nothing to measure (build .venv-vllm: .ci/vllm-env.sh)")
         return 0
-    report = Report(args.out, args.append)
-    try:
-        with benchkit.cleanup_on_signal():
-            asyncio.run(run(args, report))
-    finally:
-        report.close()
-    return 0
+    return benchkit.run_reported(run, args)
 
 
 if __name__ == "__main__":
