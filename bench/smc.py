@@ -79,15 +79,13 @@ def start(url: str, n: int, **settings: Any) -> list[benchkit.Worker]:
 
 async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[str | None],
                 steps: int, **settings: Any) -> dict[str, Any]:  # fmt: skip
-    redis.Redis.from_url(url).flushall()
+    r = redis.Redis.from_url(url)
+    r.flushall()
     workers = start(url, n_workers, **settings)
     try:
         lm = await benchkit.connect_remote_lm(workers[0], url, DEFAULT_MODEL_NAME, 600, 3600)
         # every worker must be up before the clock starts
-        while (
-            len(redis.Redis.from_url(url).zrange(f"lmpool:workers:{DEFAULT_MODEL_NAME}", 0, -1))
-            < n_workers
-        ):
+        while r.zcard(f"lmpool:workers:{DEFAULT_MODEL_NAME}") < n_workers:
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.5)  # leases settle
         prompt = random.Random(args.seed).choices(range(1000, 40000), k=args.prompt_tokens)
@@ -102,6 +100,7 @@ async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[s
     finally:
         for w in workers:
             w.stop()
+        r.close()
     requests = sum(o[0] for o in outs)
     seconds = max(o[2] for o in outs)
     return {
@@ -119,7 +118,8 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[float, float]:
     rng = random.Random(args.seed + 99)
     prefix = rng.choices(range(1000, 40000), k=args.prompt_tokens)
     prompts = [prefix + rng.choices(range(1000, 40000), k=8) for _ in range(args.particles)]
-    redis.Redis.from_url(url).flushall()
+    with redis.Redis.from_url(url) as r:
+        r.flushall()
     workers = start(url, 1)
     try:
         lm = await benchkit.connect_remote_lm(workers[0], url, DEFAULT_MODEL_NAME, 600, 3600)

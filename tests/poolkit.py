@@ -112,9 +112,11 @@ class WorkerProcess:
                 self.kill()
 
 
-def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0) -> Path:
-    """A random 2-layer Llama with a byte-level tokenizer, saved as an HF directory."""
-    import torch
+def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0, **config: Any) -> Path:
+    """A random 2-layer Llama with a byte-level tokenizer, saved as an HF directory.
+
+    ``config`` overrides LlamaConfig fields (heads, sizes) of the default shape.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shared.tokenizer import byte_tokenizer
@@ -122,19 +124,19 @@ def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        eos_token_id=vocab_size - 1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    shape: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 512,
+        "eos_token_id": vocab_size - 1,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    shape.update(config)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **shape))
     model.save_pretrained(path)
     byte_tokenizer(vocab_size).save_pretrained(path)
     return path

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from poolkit import build_tiny_llama
+from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
-from shared.tokenizer import byte_tokenizer
 from worker.backends.hf import HFBackend
 from worker.kv_cache import SHARE_MIN_TOKENS, KVCache
 
@@ -26,19 +26,7 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    byte_tokenizer(VOCAB).save_pretrained(path)
-    return path
+    return build_tiny_llama(path, VOCAB, num_attention_heads=4, num_key_value_heads=2)
 
 
 def make_backend(model_dir: Path, kv_cache_mb: int) -> HFBackend:
