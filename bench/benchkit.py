@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
-ARQ = str(Path(sys.executable).parent / "arq")
+ARQ = [sys.executable, "-m", "arq"]
 
 
 # -- output -------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ class Worker:
     def start(self) -> Worker:
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [ARQ, "worker.WorkerSettings"], env=self.env, cwd=REPO, stdout=log, stderr=log
+                [*ARQ, "worker.WorkerSettings"], env=self.env, cwd=REPO, stdout=log, stderr=log
             )
         return self
 
@@ -175,6 +175,16 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 20.0) 
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def model_dir() -> Path:
+    """The HF directory both sides load: the converted default GGUF, or LMPOOL_MODEL's folder."""
+    from shared.settings import Settings
+    from worker.model_files import converted_gguf, resolve_model
+
+    settings = Settings.from_env()
+    source = resolve_model(settings.model)
+    return converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
 
 
 async def connect_remote_lm(

@@ -14,6 +14,7 @@ D. genlm-backend's favourite case: P prompts sharing a prefix plus 8 distinct to
 
     python bench/smc.py                       # defaults sized for 2 CPU cores
     python bench/smc.py --particles 64 --steps 32 --prompt-tokens 256   # the full shape
+    LMPOOL_MODEL=DIR python bench/smc.py --device cuda --dtype bfloat16 ...   # on a GPU
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import argparse
 import asyncio
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import benchkit
@@ -30,7 +30,7 @@ import redis
 import torch
 
 from shared.redis_server import RedisServer
-from shared.settings import DEFAULT_MODEL_NAME
+from shared.settings import Settings
 
 
 async def smc(lm: Any, prompt: list[int], particles: int, steps: int, affinity: str | None,
@@ -71,8 +71,15 @@ async def settle(url: str, seconds: float = 1.0) -> dict[str, int]:
     return kv_totals(url)
 
 
-def start(url: str, n: int, **settings: Any) -> list[benchkit.Worker]:
-    common = {"heartbeat_s": 0.3, "max_batch": 64, "max_wait_ms": 2}
+MODEL = Settings.from_env()
+"""LMPOOL_MODEL (default: the bundled model) and LMPOOL_CACHE_DIR reach the workers from here."""
+
+
+def start(url: str, n: int, args: argparse.Namespace, **settings: Any) -> list[benchkit.Worker]:
+    common: dict[str, Any] = {"heartbeat_s": 0.3, "max_batch": 64, "max_wait_ms": 2}
+    common.update(device=args.device, dtype=args.dtype, cache_dir=MODEL.cache_dir)
+    if MODEL.model:
+        common["model"] = MODEL.model
     common.update(settings)
     return [benchkit.Worker(url, **common).start() for _ in range(n)]
 
@@ -81,11 +88,11 @@ async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[s
                 steps: int, **settings: Any) -> dict[str, Any]:  # fmt: skip
     r = redis.Redis.from_url(url)
     r.flushall()
-    workers = start(url, n_workers, **settings)
+    workers = start(url, n_workers, args, **settings)
     try:
-        lm = await benchkit.connect_remote_lm(workers[0], url, DEFAULT_MODEL_NAME, 600, 3600)
+        lm = await benchkit.connect_remote_lm(workers[0], url, MODEL.served_model_name, 600, 3600)
         # every worker must be up before the clock starts
-        while r.zcard(f"lmpool:workers:{DEFAULT_MODEL_NAME}") < n_workers:
+        while r.zcard(f"lmpool:workers:{MODEL.served_model_name}") < n_workers:
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.5)  # leases settle
         prompt = random.Random(args.seed).choices(range(1000, 40000), k=args.prompt_tokens)
@@ -118,11 +125,13 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[float, float]:
     rng = random.Random(args.seed + 99)
     prefix = rng.choices(range(1000, 40000), k=args.prompt_tokens)
     prompts = [prefix + rng.choices(range(1000, 40000), k=8) for _ in range(args.particles)]
+    warm = rng.choices(range(1000, 40000), k=16)
     with redis.Redis.from_url(url) as r:
         r.flushall()
-    workers = start(url, 1)
+    workers = start(url, 1, args)
     try:
-        lm = await benchkit.connect_remote_lm(workers[0], url, DEFAULT_MODEL_NAME, 600, 3600)
+        lm = await benchkit.connect_remote_lm(workers[0], url, MODEL.served_model_name, 600, 3600)
+        await lm.next_token_logprobs(warm)  # both sides: one unrelated forward first
         t0 = time.perf_counter()
         await lm.batch_next_token_logprobs(prompts)
         pool_s = time.perf_counter() - t0
@@ -133,21 +142,29 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[float, float]:
     from genlm.backend.llm import AsyncTransformer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.settings import Settings
-    from worker.model_files import converted_gguf, default_model_path
-
-    path = converted_gguf(default_model_path(), Path(Settings().cache_dir))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    path = benchkit.model_dir()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     ref = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), batch_size=64)
+    await ref.next_token_logprobs(warm)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     ref.cache_kv(prefix)
     await ref.batch_next_token_logprobs(prompts)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     return pool_s, time.perf_counter() - t0
 
 
 async def main_async(args: argparse.Namespace, report: benchkit.Report) -> None:
     with RedisServer() as server:
         url = server.url
+        gpu = f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""
+        report.line(
+            f"# model {benchkit.model_dir()}, {args.dtype} on {args.device}{gpu}; "
+            f"torch {torch.__version__}"
+        )
         p = f"{args.particles} particles, {args.prompt_tokens}-token prompt"
         a = await phase(url, args, 1, [None], args.steps)
         report.line(
@@ -187,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-genlm", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args(argv)
     report = benchkit.Report(args.out)

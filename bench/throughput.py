@@ -37,13 +37,8 @@ FIRST_ID = 100
 """Prompt token ids are drawn from [FIRST_ID, vocab): no special tokens."""
 
 
-def model_dir() -> Path:
-    """The HF directory both sides load: the converted default GGUF, or LMPOOL_MODEL's folder."""
-    from worker.model_files import converted_gguf, resolve_model
-
-    settings = Settings.from_env()
-    source = resolve_model(settings.model)
-    return converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
+def device_name(device: str) -> str:
+    return f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
 
 
 def make_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[list[int]]:
@@ -87,18 +82,24 @@ class InProcessVLLM:
         """No output cache here (vLLM's prefix cache cannot help distinct random prompts)."""
 
 
-def load_reference(backend: str, path: Path, batch: int) -> Any:
-    if backend == "vllm":
-        return InProcessVLLM(path, batch)
+def load_reference(args: argparse.Namespace, path: Path) -> Any:
+    if args.backend == "vllm":
+        return InProcessVLLM(path, args.genlm_batch)
     from genlm.backend.llm import AsyncTransformer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from worker.backends.hf import quantization_kwargs
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    quantized = quantization_kwargs(args.quantization, device, dtype)  # the worker's own options
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
+    if not quantized:
+        model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return AsyncTransformer(model, tokenizer, batch_size=batch)
+    return AsyncTransformer(model, tokenizer, batch_size=args.genlm_batch)
 
 
 async def timed(lm: Any, prompts: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
@@ -127,13 +128,15 @@ def worker_counters(url: str, requests: int, timeout_s: float = 5.0) -> dict[str
 
 async def run(args: argparse.Namespace, report: Report) -> None:
     torch.set_num_threads(args.threads)
-    path = model_dir()
+    path = benchkit.model_dir()
     rng = random.Random(args.seed)
     genlm_version = importlib.metadata.version("genlm-backend")
     kv = "worker default" if args.kv_cache_mb is None else str(args.kv_cache_mb)
     settings: dict[str, Any] = {
         "backend": args.backend,
-        "device": "cpu" if args.backend == "hf" else "auto",
+        "device": args.device if args.backend == "hf" else "auto",
+        "dtype": args.dtype if args.backend == "hf" else "auto",
+        "quantization": args.quantization,
         "max_batch": args.max_batch,
         "log_level": "WARNING",
     }
@@ -149,14 +152,15 @@ async def run(args: argparse.Namespace, report: Report) -> None:
         worker = benchkit.Worker(url, extra_env=threads, **settings).start()
         lm: Any = None
         try:
-            ref = load_reference(args.backend, path, args.genlm_batch)
+            ref = load_reference(args, path)
             lm = await benchkit.connect_remote_lm(
                 worker, url, Settings.from_env().served_model_name, 300, 1800
             )
             vocab = lm.vocab_size
             report.line(
                 f"# model {path.name} ({path}), vocab {vocab}, {lm.meta.get('dtype')} on "
-                f"{lm.meta.get('device')}; torch {torch.__version__}, {args.threads} torch "
+                f"{lm.meta.get('device')}{device_name(args.device)}, quantization "
+                f"{args.quantization}; torch {torch.__version__}, {args.threads} torch "
                 "thread(s) on both sides"
             )
             report.line(
@@ -251,6 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--first", choices=("pool", "genlm"), default="pool", help="side measured first"
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="hf: both sides' device"
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="both sides' compute dtype",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantization", choices=("none", "8bit", "4bit"), default="none",
+        help="hf: bitsandbytes on both sides (LMPOOL_QUANTIZATION)",
+    )  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=16, help="LMPOOL_MAX_BATCH")
     parser.add_argument(
         "--genlm-batch", type=int, help="AsyncTransformer batch_size (default: --max-batch)"

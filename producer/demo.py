@@ -34,9 +34,10 @@ PROMPTS = [
 def start_worker(redis_url: str, log_path: Path, backend: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
     env.update({"LMPOOL_REDIS_URL": redis_url, "LMPOOL_BACKEND": backend})
-    arq = str(Path(sys.executable).parent / "arq")
     log = log_path.open("wb")
-    return subprocess.Popen([arq, "worker.WorkerSettings"], env=env, stdout=log, stderr=log)
+    return subprocess.Popen(
+        [sys.executable, "-m", "arq", "worker.WorkerSettings"], env=env, stdout=log, stderr=log
+    )
 
 
 async def score(redis_url: str, top_k: int) -> None:

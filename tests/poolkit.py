@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import redis
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ARQ = str(Path(sys.executable).parent / "arq")
+ARQ = [sys.executable, "-m", "arq"]
 
 
 class WorkerProcess:
@@ -37,7 +39,7 @@ class WorkerProcess:
     def start(self) -> WorkerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [ARQ, "worker.WorkerSettings"], env=self.env, cwd=REPO, stdout=log, stderr=log
+            [*ARQ, "worker.WorkerSettings"], env=self.env, cwd=REPO, stdout=log, stderr=log
         )
         return self
 
@@ -206,3 +208,26 @@ def build_adapter(path: Path, seed: int = 1) -> Path:
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
+
+
+def smc_batches(
+    vocab: int, seed: int, prefix: int = 60, particles: int = 8, steps: int = 10
+) -> Iterator[list[list[int]]]:
+    """Particles over a shared prefix, one token longer each step, resampled with duplicates;
+    each batch also holds a cold prompt and a particle's older (shorter) prefix."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    shared = tokens(prefix)
+    parts = [list(shared) for _ in range(particles)]
+    history: list[list[int]] = []
+    for _ in range(steps):
+        parts = [p + tokens(1) for p in parts]
+        extra = [tokens(rng.randrange(1, 24))]
+        if history:
+            extra.append(rng.choice(history)[: -rng.randrange(1, 3)])
+        yield [*parts, parts[0], *extra]
+        history.extend(parts)
+        parts = [list(rng.choice(parts)) for _ in range(particles)]

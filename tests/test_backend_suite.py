@@ -3,6 +3,7 @@
 Per-backend tolerances (float32, max abs diff of log-probs), as measured on this model:
 - hf:   reference 1e-5 (measured ~1e-6), batched vs one-by-one 1e-5, LoRA 1e-5
 - vllm: reference 1e-5 (measured 1.9e-6), batched vs one-by-one 1e-5, LoRA 2e-5 (1.9e-6)
+- hf-cuda (hf on a CUDA device, float32; gpu-marked): reference 1e-4, batched 1e-4, LoRA 1e-4
 vLLM runs only where it is installed (``make test-vllm`` runs this file in .venv-vllm).
 """
 
@@ -21,11 +22,12 @@ from poolkit import ALPHA, EOS, RANK, build_adapter, build_model
 from shared.errors import InvalidRequest, UnknownAdapter
 from shared.settings import Settings
 
-TOLERANCE = {"hf": 1e-5, "vllm": 1e-5}
-BATCH_TOLERANCE = {"hf": 1e-5, "vllm": 1e-5}
-LORA_TOLERANCE = {"hf": 1e-5, "vllm": 2e-5}
+TOLERANCE = {"hf": 1e-5, "vllm": 1e-5, "hf-cuda": 1e-4}
+BATCH_TOLERANCE = {"hf": 1e-5, "vllm": 1e-5, "hf-cuda": 1e-4}
+LORA_TOLERANCE = {"hf": 1e-5, "vllm": 2e-5, "hf-cuda": 1e-4}
 BACKENDS = [
     "hf",
+    pytest.param("hf-cuda", marks=pytest.mark.gpu),
     pytest.param(
         "vllm",
         marks=pytest.mark.skipif(
@@ -43,15 +45,26 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def backend(request: pytest.FixtureRequest, files: tuple[Path, Path]) -> Iterator[Any]:
+def kind(request: pytest.FixtureRequest) -> str:
+    """A backend name, ``-cuda`` when it runs on a CUDA device."""
+    if request.param.endswith("-cuda"):
+        assert torch.cuda.is_available(), "the gpu-marked tests need a CUDA device"
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def backend(kind: str, files: tuple[Path, Path]) -> Iterator[Any]:
     from worker.backends import load_backend
 
-    if request.param == "vllm":  # see tests/test_vllm_backend.py for why these two
+    name, _, device = kind.partition("-")
+    if name == "vllm":  # see tests/test_vllm_backend.py for why these two
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model, lora = files
     b = load_backend(
-        Settings(backend=request.param, model=str(model), lora=f"a={lora}", kv_cache_mb=0)
+        Settings(
+            backend=name, model=str(model), lora=f"a={lora}", kv_cache_mb=0, device=device or "auto"
+        )
     )
     yield b
     b.close()
@@ -88,25 +101,25 @@ def merged(reference: Any, lora: Path) -> Any:
     return model
 
 
-def test_logprobs_match_the_reference(backend: Any, reference: Any) -> None:
+def test_logprobs_match_the_reference(kind: str, backend: Any, reference: Any) -> None:
     rows = backend.logprobs(PROMPTS, None).float().cpu()
     for row, ids in zip(rows, PROMPTS, strict=True):
-        assert (row - forward(reference, ids)).abs().max() <= TOLERANCE[backend.name]
+        assert (row - forward(reference, ids)).abs().max() <= TOLERANCE[kind]
     assert torch.equal(rows[0], rows[3]), "duplicates in a batch give the same row"
 
 
-def test_batched_equals_one_by_one(backend: Any) -> None:
+def test_batched_equals_one_by_one(kind: str, backend: Any) -> None:
     batched = backend.logprobs(PROMPTS, None).float().cpu()
     for row, ids in zip(batched, PROMPTS, strict=True):
         alone = backend.logprobs([ids], None)[0].float().cpu()
-        assert (row - alone).abs().max() <= BATCH_TOLERANCE[backend.name]
+        assert (row - alone).abs().max() <= BATCH_TOLERANCE[kind]
 
 
-def test_score_matches_next_token_rows(backend: Any, reference: Any) -> None:
+def test_score_matches_next_token_rows(kind: str, backend: Any, reference: Any) -> None:
     prompt, cont = [1, 4], [6, 7, 8]
     scores = backend.score(prompt, cont, None).float().cpu()
     expect = torch.stack([forward(reference, prompt + cont[:i])[t] for i, t in enumerate(cont)])
-    assert (scores - expect).abs().max() <= TOLERANCE[backend.name]
+    assert (scores - expect).abs().max() <= TOLERANCE[kind]
 
 
 def test_seeded_sampling_is_reproducible(backend: Any) -> None:
@@ -116,12 +129,12 @@ def test_seeded_sampling_is_reproducible(backend: Any) -> None:
 
 
 def test_lora_matches_the_merged_reference(
-    backend: Any, reference: Any, files: tuple[Path, Path]
+    kind: str, backend: Any, reference: Any, files: tuple[Path, Path]
 ) -> None:
     with_lora = merged(reference, files[1])
     rows = backend.logprobs(PROMPTS[:2], "a").float().cpu()
     for row, ids in zip(rows, PROMPTS[:2], strict=True):
-        assert (row - forward(with_lora, ids)).abs().max() <= LORA_TOLERANCE[backend.name]
+        assert (row - forward(with_lora, ids)).abs().max() <= LORA_TOLERANCE[kind]
         assert (row - forward(reference, ids)).abs().max() > 1e-3  # the adapter matters
     with pytest.raises(UnknownAdapter):
         backend.check_prompt([1], "b", 0)

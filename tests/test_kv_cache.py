@@ -6,13 +6,12 @@ Every cached result is compared with the no-cache path (``kv_cache_mb=0``) at 1e
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from poolkit import build_tiny_llama
+from poolkit import build_tiny_llama, smc_batches
 from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
@@ -57,30 +56,11 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def smc_batches(
-    seed: int, prefix: int = 60, particles: int = 8, steps: int = 10
-) -> Iterator[list[list[int]]]:
-    """Particles over a shared prefix, one token longer each step, resampled with duplicates;
-    each batch also holds a cold prompt and a particle's older (shorter) prefix."""
-    rng = random.Random(seed)
-    shared = tokens(rng, prefix)
-    parts = [list(shared) for _ in range(particles)]
-    history: list[list[int]] = []
-    for _ in range(steps):
-        parts = [p + tokens(rng, 1) for p in parts]
-        extra = [tokens(rng, rng.randrange(1, 24))]
-        if history:
-            extra.append(rng.choice(history)[: -rng.randrange(1, 3)])
-        yield [*parts, parts[0], *extra]
-        history.extend(parts)
-        parts = [list(rng.choice(parts)) for _ in range(particles)]
-
-
 def test_cached_matches_uncached_over_smc_steps(model_dir: Path, reference: HFBackend) -> None:
     backend = make_backend(model_dir, 4)
     cache = cache_of(backend)
     mixed = 0
-    for batch in smc_batches(seed=1):
+    for batch in smc_batches(VOCAB, seed=1):
         lengths = {cache.cached_length(p) for p in batch}
         mixed = max(mixed, len(lengths))
         check(backend, reference, batch)
@@ -135,7 +115,7 @@ def test_eviction_stays_in_budget_and_exact(model_dir: Path, reference: HFBacken
     budget = 150 * per_token
     cache.set_budget(budget)
     for seed in (4, 5):
-        for batch in smc_batches(seed=seed, prefix=80, steps=8):
+        for batch in smc_batches(VOCAB, seed=seed, prefix=80, steps=8):
             check(backend, reference, batch)
             assert cache.bytes_used <= budget
             # Real storage, measured by walking the trie, is exactly the stored positions.
@@ -144,7 +124,7 @@ def test_eviction_stays_in_budget_and_exact(model_dir: Path, reference: HFBacken
     # The budget is honoured when it shrinks, and what is left still serves exact results.
     cache.set_budget(40 * per_token)
     assert cache.measured_bytes() == cache.bytes_used <= 40 * per_token
-    for batch in smc_batches(seed=4, prefix=80, steps=3):
+    for batch in smc_batches(VOCAB, seed=4, prefix=80, steps=3):
         check(backend, reference, batch)
         assert cache.bytes_used <= 40 * per_token
 

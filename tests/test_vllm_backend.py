@@ -284,7 +284,6 @@ async def test_pool_end_to_end(model_dir: Path, reference: Reference, tmp_path: 
     from producer import RemoteLM
     from shared.redis_server import RedisServer
 
-    arq = Path(sys.executable).parent / "arq"
     repo = Path(__file__).resolve().parent.parent
     with RedisServer() as server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
@@ -298,7 +297,11 @@ async def test_pool_end_to_end(model_dir: Path, reference: Reference, tmp_path: 
         log_path = tmp_path / "worker.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [str(arq), "worker.WorkerSettings"], env=env, cwd=repo, stdout=log, stderr=log
+                [sys.executable, "-m", "arq", "worker.WorkerSettings"],
+                env=env,
+                cwd=repo,
+                stdout=log,
+                stderr=log,
             )
         try:
             try:
