@@ -120,21 +120,31 @@ async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[s
     }
 
 
-async def genlm_case(url: str, args: argparse.Namespace) -> tuple[float, float]:
-    """(pool seconds, genlm-backend seconds) for P prompts = shared prefix + 8 tokens."""
+async def genlm_case(url: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Seconds per repeat, (pool, genlm-backend), for P prompts = a shared prefix + 8 tokens.
+
+    Each repeat draws a new prefix; each side first runs the first set untimed (warm-up at the
+    measured shape), then every set timed.
+    """
     rng = random.Random(args.seed + 99)
-    prefix = rng.choices(range(1000, 40000), k=args.prompt_tokens)
-    prompts = [prefix + rng.choices(range(1000, 40000), k=8) for _ in range(args.particles)]
-    warm = rng.choices(range(1000, 40000), k=16)
+
+    def draw(n: int) -> list[int]:
+        return rng.choices(range(1000, 40000), k=n)
+
+    sets = []
+    for _ in range(args.d_repeats + 1):
+        prefix = draw(args.prompt_tokens)
+        sets.append((prefix, [prefix + draw(8) for _ in range(args.particles)]))
     with redis.Redis.from_url(url) as r:
         r.flushall()
     workers = start(url, 1, args)
+    pool_s: list[float] = []
     try:
         lm = await benchkit.connect_remote_lm(workers[0], url, MODEL.served_model_name, 600, 3600)
-        await lm.next_token_logprobs(warm)  # both sides: one unrelated forward first
-        t0 = time.perf_counter()
-        await lm.batch_next_token_logprobs(prompts)
-        pool_s = time.perf_counter() - t0
+        for _, prompts in sets:
+            t0 = time.perf_counter()
+            await lm.batch_next_token_logprobs(prompts)
+            pool_s.append(time.perf_counter() - t0)
         await lm.close()
     finally:
         for w in workers:
@@ -146,15 +156,15 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[float, float]:
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     ref = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), batch_size=64)
-    await ref.next_token_logprobs(warm)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    ref.cache_kv(prefix)
-    await ref.batch_next_token_logprobs(prompts)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-    return pool_s, time.perf_counter() - t0
+    genlm_s: list[float] = []
+    for prefix, prompts in sets:
+        t0 = time.perf_counter()
+        ref.cache_kv(prefix)
+        await ref.batch_next_token_logprobs(prompts)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        genlm_s.append(time.perf_counter() - t0)
+    return pool_s[1:], genlm_s[1:]
 
 
 async def main_async(args: argparse.Namespace, report: benchkit.Report) -> None:
@@ -166,33 +176,37 @@ async def main_async(args: argparse.Namespace, report: benchkit.Report) -> None:
             f"torch {torch.__version__}"
         )
         p = f"{args.particles} particles, {args.prompt_tokens}-token prompt"
-        a = await phase(url, args, 1, [None], args.steps)
-        report.line(
-            f"A. KV on,  1 worker, {p}, {args.steps} steps: {a['requests']} requests in "
-            f"{a['seconds']:.1f}s = {a['rps']:.1f} req/s; tokens requested {a['tokens']}, "
-            f"computed {a['kv'].get('tokens_computed')}, KV hit rate {a['hit']:.3f}"
-        )
-        b = await phase(url, args, 1, [None], args.off_steps, kv_cache_mb=0)
-        report.line(
-            f"B. KV off, 1 worker, {p}, {args.off_steps} steps: {b['requests']} requests "
-            f"in {b['seconds']:.1f}s = {b['rps']:.2f} req/s"
-        )
-        report.line(f"   KV on / off: {a['rps'] / b['rps']:.1f}x (target >= 4x)")
-        runs = ["run-a", "run-b"]
-        c1 = await phase(url, args, 2, runs, args.steps, shards=4)
-        c0 = await phase(url, args, 2, runs, args.steps, shards=1)
-        report.line(
-            f"C. 2 workers, 2 concurrent runs, {args.steps} steps: KV hit rate with affinity "
-            f"{c1['hit']:.3f} ({c1['rps']:.1f} req/s), without {c0['hit']:.3f} "
-            f"({c0['rps']:.1f} req/s); single worker {a['hit']:.3f}"
-        )
-        report.line(f"   affinity / single worker: {c1['hit'] / a['hit']:.3f} (target >= 0.9)")
-        if not args.skip_genlm:
-            pool_s, genlm_s = await genlm_case(url, args)
+        if "A" in args.phases:
+            a = await phase(url, args, 1, [None], args.steps)
             report.line(
-                f"D. {args.particles} prompts = shared {args.prompt_tokens}-token prefix + 8: "
-                f"pool (no cache_kv) {pool_s:.2f}s, genlm-backend in-process with cache_kv "
-                f"{genlm_s:.2f}s; genlm / pool = {genlm_s / pool_s:.2f} (target >= 1)"
+                f"A. KV on,  1 worker, {p}, {args.steps} steps: {a['requests']} requests in "
+                f"{a['seconds']:.1f}s = {a['rps']:.1f} req/s; tokens requested {a['tokens']}, "
+                f"computed {a['kv'].get('tokens_computed')}, KV hit rate {a['hit']:.3f}"
+            )
+            b = await phase(url, args, 1, [None], args.off_steps, kv_cache_mb=0)
+            report.line(
+                f"B. KV off, 1 worker, {p}, {args.off_steps} steps: {b['requests']} requests "
+                f"in {b['seconds']:.1f}s = {b['rps']:.2f} req/s"
+            )
+            report.line(f"   KV on / off: {a['rps'] / b['rps']:.1f}x (target >= 4x)")
+            runs = ["run-a", "run-b"]
+            c1 = await phase(url, args, 2, runs, args.steps, shards=4)
+            c0 = await phase(url, args, 2, runs, args.steps, shards=1)
+            report.line(
+                f"C. 2 workers, 2 concurrent runs, {args.steps} steps: KV hit rate with affinity "
+                f"{c1['hit']:.3f} ({c1['rps']:.1f} req/s), without {c0['hit']:.3f} "
+                f"({c0['rps']:.1f} req/s); single worker {a['hit']:.3f}"
+            )
+            report.line(f"   affinity / single worker: {c1['hit'] / a['hit']:.3f} (target >= 0.9)")
+        if "D" in args.phases:
+            pools, genlms = await genlm_case(url, args)
+            pool_s, genlm_s = sum(pools), sum(genlms)
+            each = ", ".join(f"{p:.3f}/{g:.3f}" for p, g in zip(pools, genlms, strict=True))
+            report.line(
+                f"D. {args.particles} prompts = shared {args.prompt_tokens}-token prefix + 8, "
+                f"{len(pools)} sets after one untimed: pool (no cache_kv) {pool_s:.3f}s, "
+                f"genlm-backend in-process with cache_kv {genlm_s:.3f}s; genlm / pool = "
+                f"{genlm_s / pool_s:.2f} (target >= 1); per set pool/genlm s: {each}"
             )
 
 
@@ -203,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--off-steps", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-genlm", action="store_true")
+    parser.add_argument(
+        "--phases", default="ABCD", help="which phases to run (B and C report against A)"
+    )
+    parser.add_argument("--d-repeats", type=int, default=3, help="timed prompt sets in D")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", help="also write the report to this file")

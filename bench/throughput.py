@@ -174,11 +174,17 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                 f"# reference: {what} {type(ref).__name__} in-process, "
                 f"batch_size {args.genlm_batch}"
             )
+            # a GPU picks kernels per shape: warm it up at the measured shape
+            warm_shape = (
+                (args.prompts, args.tokens)
+                if args.device == "cuda"
+                else (WARM_PROMPTS, WARM_TOKENS)
+            )
             report.line(
                 f"# prompts: {args.prompts} distinct random {args.tokens}-token prompts per round, "
-                f"new each round; warm-up: {WARM_PROMPTS} x {WARM_TOKENS} tokens each side"
+                f"new each round; warm-up: {warm_shape[0]} x {warm_shape[1]} tokens each side"
             )
-            warm = make_prompts(rng, WARM_PROMPTS, WARM_TOKENS, vocab)
+            warm = make_prompts(rng, *warm_shape, vocab)
             await timed(lm, warm)
             await timed(ref, warm)
             rows: list[tuple[int, str, float, float]] = []
@@ -201,7 +207,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                     f"  round {r + 1}: pool {secs['pool']:.1f} s, genlm {secs['genlm']:.1f} s "
                     f"(load {benchkit.load_average()})"
                 )
-            counters = worker_counters(url, WARM_PROMPTS + args.rounds * args.prompts)
+            counters = worker_counters(url, warm_shape[0] + args.rounds * args.prompts)
         finally:
             if lm is not None:
                 await lm.close()

@@ -105,6 +105,7 @@ def test_missing_sglang_names_the_extra(tiny_llama: Path) -> None:
 
 @pytest.mark.gpu
 def test_sglang_on_gpu(tiny_llama: Path) -> None:
+    pytest.importorskip("sglang", reason="pip install lmpool[sglang] to run this test")
     b = load_backend(Settings(model=str(tiny_llama), backend="sglang", device="cuda"))
     ref = HFBackend(Settings(model=str(tiny_llama), device="cuda", kv_cache_mb=0))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3]]
