@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shutil
 import time
 from typing import Any
 
@@ -137,7 +138,8 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[list[float], l
         sets.append((prefix, [prefix + draw(8) for _ in range(args.particles)]))
     with redis.Redis.from_url(url) as r:
         r.flushall()
-    workers = start(url, 1, args)
+    debug = {"log_level": "DEBUG"} if args.worker_log else {}
+    workers = start(url, 1, args, **debug)
     pool_s: list[float] = []
     try:
         lm = await benchkit.connect_remote_lm(workers[0], url, MODEL.served_model_name, 600, 3600)
@@ -149,6 +151,8 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[list[float], l
     finally:
         for w in workers:
             w.stop()
+        if args.worker_log:
+            shutil.copy(workers[0].log_path, args.worker_log)
     from genlm.backend.llm import AsyncTransformer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "--phases", default="ABCD", help="which phases to run (B and C report against A)"
     )
     parser.add_argument("--d-repeats", type=int, default=3, help="timed prompt sets in D")
+    parser.add_argument("--worker-log", help="D: copy the worker's log (DEBUG) to this file")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", help="also write the report to this file")

@@ -70,3 +70,26 @@ def test_check_prompt_rejects_bad_ids(backend: HFBackend) -> None:
             backend.check_prompt(bad, None, 0)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="exceeds the limit of 4"):
         backend.check_prompt([1] * 5, None, 4)
+
+
+def test_cpu_attention_reads_grouped_heads_in_place(tiny_llama: Path) -> None:
+    """On the CPU the backend's models use worker.backends.attention, which equals
+    transformers' own SDPA (grouped heads copied) on masked grouped-query batches (<= 1e-6)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from worker.backends import attention
+
+    b = HFBackend(Settings(model=str(tiny_llama), device="cpu", kv_cache_mb=0))
+    assert b.model.config._attn_implementation == attention.NAME
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 6, 5, 16, generator=g)  # 6 query heads over 2 key/value heads
+    key, value = torch.randn(3, 2, 9, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g)
+    mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(diagonal=4)
+    mask[1, :, :, :3] = False  # a row with a padded past
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3  # type: ignore[assignment]
+    module.is_causal = True  # type: ignore[assignment]
+    got, _ = attention.cpu_gqa_sdpa(module, query, key, value, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert got.shape == want.shape == (3, 5, 6, 16)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

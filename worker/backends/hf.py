@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 
 from shared.settings import Settings
+from worker.backends import attention
 from worker.backends.base import Backend, describe_model, draw
 from worker.kv_cache import KVCache, UnsupportedModel
 from worker.model_files import converted_gguf, resolve_model
@@ -47,6 +48,10 @@ class HFBackend(Backend):
         path = converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
         config = AutoConfig.from_pretrained(path)
         self.device = pick_device(settings.device)
+        if self.device.type == "cuda":
+            # cuDNN's attention builds a plan per new shape on first use (seconds on an H100),
+            # and KV-cache batches have new shapes all the time; flash attention does not.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = pick_dtype(settings.dtype, self.device, getattr(config, "dtype", None))
         model_kwargs: dict[str, Any] = {"dtype": self.dtype}
         model_kwargs.update(quantization_kwargs(settings.quantization, self.device, self.dtype))
@@ -54,6 +59,8 @@ class HFBackend(Backend):
         if "quantization_config" not in model_kwargs:
             self.model.to(self.device)
         self.model.eval()
+        if self.device.type == "cpu":
+            attention.use_on(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.adapters = load_adapters(self, settings.lora_adapters())
         eos = self.model.generation_config.eos_token_id
