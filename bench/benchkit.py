@@ -6,6 +6,7 @@ folder is first on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -55,6 +56,12 @@ class Report:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def output_args(parser: argparse.ArgumentParser) -> None:
+    """``--out FILE`` (the report also goes there) and ``--append`` (add to it)."""
+    parser.add_argument("--out", help="also write the output to this file")
+    parser.add_argument("--append", action="store_true", help="append to --out, not replace")
 
 
 def command_line() -> str:

@@ -266,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of the worker (default 1: the machine has 2 shared cores)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the output to this file")
-    parser.add_argument("--append", action="store_true", help="append to --out, not replace")
+    benchkit.output_args(parser)
     args = parser.parse_args(argv)
     return benchkit.run_reported(
         run, args, header=(poolbench.SHARED_NOTE, poolbench.code_version())

@@ -211,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-s", type=float, default=120.0, help="batch job's time limit")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the output to this file")
-    parser.add_argument("--append", action="store_true", help="append to --out, not replace")
+    benchkit.output_args(parser)
     args = parser.parse_args(argv)
     return benchkit.run_reported(
         run, args, header=(poolbench.SHARED_NOTE, poolbench.code_version())

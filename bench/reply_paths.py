@@ -413,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-lmpool", dest="lmpool", action="store_false", help="skip lmpool's real path"
     )
-    parser.add_argument("--out", help="also write the output to this file")
-    parser.add_argument("--append", action="store_true", help="append to --out, not replace")
+    benchkit.output_args(parser)
     parser.add_argument("--worker-url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_url:

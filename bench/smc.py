@@ -228,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-log", help="D: copy the worker's log (DEBUG) to this file")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--out", help="also write the report to this file")
+    benchkit.output_args(parser)
     args = parser.parse_args(argv)
-    report = benchkit.Report(args.out)
+    report = benchkit.Report(args.out, args.append)
     with benchkit.cleanup_on_signal():
         asyncio.run(main_async(args, report))
     return 0

@@ -287,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads oversubscribe the cores)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the output to this file")
-    parser.add_argument("--append", action="store_true", help="append to --out, not replace")
+    benchkit.output_args(parser)
     args = parser.parse_args(argv)
     args.genlm_batch = args.genlm_batch or args.max_batch
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
