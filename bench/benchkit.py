@@ -184,6 +184,13 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 20.0) 
         proc.wait()
 
 
+def device_name(device: str) -> str:
+    """`` (the GPU's name)`` for ``cuda``, empty otherwise: for report headers."""
+    import torch
+
+    return f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
+
+
 def model_dir() -> Path:
     """The HF directory both sides load: the converted default GGUF, or LMPOOL_MODEL's folder."""
     from shared.settings import Settings
@@ -192,6 +199,28 @@ def model_dir() -> Path:
     settings = Settings.from_env()
     source = resolve_model(settings.model)
     return converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
+
+
+def genlm_transformer(
+    path: Path, device: str, dtype: str, batch_size: int, quantization: str = "none"
+) -> Any:
+    """genlm-backend's ``AsyncTransformer`` over the files a worker loads, with the worker's
+    device, dtype and bitsandbytes options: the in-process anchor of the benchmarks."""
+    import torch
+    from genlm.backend.llm import AsyncTransformer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from worker.backends.hf import quantization_kwargs
+
+    hf_logging.disable_progress_bar()
+    torch_dtype = getattr(torch, dtype)
+    quantized = quantization_kwargs(quantization, torch.device(device), torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **quantized)
+    if not quantized:
+        model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return AsyncTransformer(model.eval(), tokenizer, batch_size=batch_size)
 
 
 async def connect_remote_lm(

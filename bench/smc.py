@@ -153,13 +153,7 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[list[float], l
             w.stop()
         if args.worker_log:
             shutil.copy(workers[0].log_path, args.worker_log)
-    from genlm.backend.llm import AsyncTransformer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = benchkit.model_dir()
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
-    ref = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), batch_size=64)
+    ref = benchkit.genlm_transformer(benchkit.model_dir(), args.device, args.dtype, 64)
     genlm_s: list[float] = []
     for prefix, prompts in sets:
         t0 = time.perf_counter()
@@ -174,9 +168,9 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[list[float], l
 async def main_async(args: argparse.Namespace, report: benchkit.Report) -> None:
     with RedisServer() as server:
         url = server.url
-        gpu = f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""
         report.line(
-            f"# model {benchkit.model_dir()}, {args.dtype} on {args.device}{gpu}; "
+            f"# model {benchkit.model_dir()}, {args.dtype} on "
+            f"{args.device}{benchkit.device_name(args.device)}; "
             f"torch {torch.__version__}"
         )
         p = f"{args.particles} particles, {args.prompt_tokens}-token prompt"

@@ -37,10 +37,6 @@ FIRST_ID = 100
 """Prompt token ids are drawn from [FIRST_ID, vocab): no special tokens."""
 
 
-def device_name(device: str) -> str:
-    return f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
-
-
 def make_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[list[int]]:
     """``n`` distinct prompts of ``tokens`` random ids (distinct first tokens: no shared prefix)."""
     firsts = rng.sample(range(FIRST_ID, vocab), n)
@@ -85,21 +81,9 @@ class InProcessVLLM:
 def load_reference(args: argparse.Namespace, path: Path) -> Any:
     if args.backend == "vllm":
         return InProcessVLLM(path, args.genlm_batch)
-    from genlm.backend.llm import AsyncTransformer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-    from worker.backends.hf import quantization_kwargs
-
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    quantized = quantization_kwargs(args.quantization, device, dtype)  # the worker's own options
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
-    if not quantized:
-        model = model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return AsyncTransformer(model, tokenizer, batch_size=args.genlm_batch)
+    return benchkit.genlm_transformer(
+        path, args.device, args.dtype, args.genlm_batch, args.quantization
+    )
 
 
 async def timed(lm: Any, prompts: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
@@ -159,7 +143,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             vocab = lm.vocab_size
             report.line(
                 f"# model {path.name} ({path}), vocab {vocab}, {lm.meta.get('dtype')} on "
-                f"{lm.meta.get('device')}{device_name(args.device)}, quantization "
+                f"{lm.meta.get('device')}{benchkit.device_name(args.device)}, quantization "
                 f"{args.quantization}; torch {torch.__version__}, {args.threads} torch "
                 "thread(s) on both sides"
             )

@@ -114,6 +114,13 @@ class WorkerProcess:
                 self.kill()
 
 
+def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    """The in-process reference: one unpadded transformers forward, last position's log-probs."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0, **config: Any) -> Path:
     """A random 2-layer Llama with a byte-level tokenizer, saved as an HF directory.
 

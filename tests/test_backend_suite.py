@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from poolkit import ALPHA, EOS, RANK, build_adapter, build_model
+from poolkit import ALPHA, EOS, RANK, build_adapter, build_model, reference_logprobs
 
 from shared.errors import InvalidRequest, UnknownAdapter
 from shared.settings import Settings
@@ -77,11 +77,6 @@ def reference(files: tuple[Path, Path]) -> Any:
     return AutoModelForCausalLM.from_pretrained(files[0], dtype=torch.float32).eval()
 
 
-def forward(model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-
-
 def merged(reference: Any, lora: Path) -> Any:
     """The reference with the adapter merged in: W + (alpha / r) * B @ A."""
     import copy
@@ -104,7 +99,7 @@ def merged(reference: Any, lora: Path) -> Any:
 def test_logprobs_match_the_reference(kind: str, backend: Any, reference: Any) -> None:
     rows = backend.logprobs(PROMPTS, None).float().cpu()
     for row, ids in zip(rows, PROMPTS, strict=True):
-        assert (row - forward(reference, ids)).abs().max() <= TOLERANCE[kind]
+        assert (row - reference_logprobs(reference, ids)).abs().max() <= TOLERANCE[kind]
     assert torch.equal(rows[0], rows[3]), "duplicates in a batch give the same row"
 
 
@@ -118,7 +113,9 @@ def test_batched_equals_one_by_one(kind: str, backend: Any) -> None:
 def test_score_matches_next_token_rows(kind: str, backend: Any, reference: Any) -> None:
     prompt, cont = [1, 4], [6, 7, 8]
     scores = backend.score(prompt, cont, None).float().cpu()
-    expect = torch.stack([forward(reference, prompt + cont[:i])[t] for i, t in enumerate(cont)])
+    expect = torch.stack(
+        [reference_logprobs(reference, prompt + cont[:i])[t] for i, t in enumerate(cont)]
+    )
     assert (scores - expect).abs().max() <= TOLERANCE[kind]
 
 
@@ -134,8 +131,8 @@ def test_lora_matches_the_merged_reference(
     with_lora = merged(reference, files[1])
     rows = backend.logprobs(PROMPTS[:2], "a").float().cpu()
     for row, ids in zip(rows, PROMPTS[:2], strict=True):
-        assert (row - forward(with_lora, ids)).abs().max() <= LORA_TOLERANCE[kind]
-        assert (row - forward(reference, ids)).abs().max() > 1e-3  # the adapter matters
+        assert (row - reference_logprobs(with_lora, ids)).abs().max() <= LORA_TOLERANCE[kind]
+        assert (row - reference_logprobs(reference, ids)).abs().max() > 1e-3  # the adapter matters
     with pytest.raises(UnknownAdapter):
         backend.check_prompt([1], "b", 0)
     with pytest.raises(InvalidRequest):

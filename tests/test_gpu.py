@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from poolkit import build_tiny_llama, smc_batches
+from poolkit import build_tiny_llama, reference_logprobs, smc_batches
 from transformers import AutoModelForCausalLM
 
 from producer import RemoteLM
@@ -42,14 +42,9 @@ def cpu_model(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def on_cpu(model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-
-
 def worst(rows: Any, model: Any, prompts: list[list[int]]) -> float:
     return max(
-        float((row.float().cpu() - on_cpu(model, ids)).abs().max())
+        float((row.float().cpu() - reference_logprobs(model, ids)).abs().max())
         for row, ids in zip(rows, prompts, strict=True)
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from poolkit import reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from producer import RemoteLM
@@ -32,8 +33,7 @@ def reference(base: Path, adapter: Path | None, ids: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
-    with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    return reference_logprobs(model, ids)
 
 
 @pytest.mark.asyncio

@@ -16,17 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from poolkit import reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from producer import RemoteLM
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def in_process(model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, -1]
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 @pytest.mark.parametrize("kv_cache_mb", [0, 64])
@@ -43,13 +38,14 @@ async def test_tiny_llama_through_the_pool(
         assert lm.vocab_size == 320
         got = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
         worst = max(
-            (g_ - in_process(model, p)).abs().max().item()
+            (g_ - reference_logprobs(model, p)).abs().max().item()
             for g_, p in zip(got, prompts, strict=True)
         )
         assert worst <= 1e-5, worst
         # score: one forward, compared with successive next-token rows
-        scores = await lm.score(prompts[3], [1, 2, 3])
-        expect = [in_process(model, prompts[3] + [1, 2, 3][:i])[t] for i, t in enumerate([1, 2, 3])]
+        cont = [1, 2, 3]
+        scores = await lm.score(prompts[3], cont)
+        expect = [reference_logprobs(model, prompts[3] + cont[:i])[t] for i, t in enumerate(cont)]
         assert torch.allclose(scores, torch.stack(expect), atol=1e-5)
         # seeded sampling is reproducible across producers and matches genlm's rule
         a = await lm.sample(prompts[2], 8, [319], seed=11)
@@ -73,7 +69,7 @@ async def test_default_model_through_the_pool(redis_url: str, workers: Callable[
         prompts = [lm.tokenizer.encode(t) for t in texts]
         rows = await lm.batch_next_token_logprobs(prompts)
         for row, ids in zip(rows, prompts, strict=True):
-            assert (row - in_process(model, ids)).abs().max().item() <= 2e-4
+            assert (row - reference_logprobs(model, ids)).abs().max().item() <= 2e-4
         assert lm.tokenizer.decode([int(rows[0].argmax())]) == " Paris"
         assert lm.byte_vocab[int(rows[0].argmax())] == b" Paris"
         bpe = lm.tokenizer._tokenizer.model  # genlm-control reads the BPE merges
