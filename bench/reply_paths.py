@@ -4,9 +4,9 @@ One producer (this process, asyncio, redis-py with hiredis) keeps N requests in 
 one worker process. The worker is a minimal loop (sync client): XREADGROUP COUNT 16 BLOCK, then
 one pipeline per batch that replies to each request by the path under test and does XACK +
 XDEL. Every reply carries the same precomputed encoded row (``encode_result`` of a float32
-vector of 49,152 entries) in an ``encode_reply`` envelope, so the transport is measured, not
-compute. Requests are submitted like lmpool's producer does: all requests of one event-loop
-tick go in one pipeline (plain XADD here, not the SUBMIT script).
+vector of 49,152 entries) in a msgpack ``[request id, row]`` envelope, so the transport is
+measured, not compute. Requests are submitted like lmpool's producer does: all requests of one
+event-loop tick go in one pipeline (plain XADD here, not the SUBMIT script).
 
 Paths:
   (a) list + BLMPOP COUNT 512: the producer's reply list, many replies per round trip (lmpool)
@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import benchkit
+import msgpack
 import redis
 from benchkit import Cell, Report, closed_loop
 from redis.asyncio import Redis
@@ -74,6 +75,11 @@ def payload() -> bytes:
     return protocol.encode_result(torch.log_softmax(torch.randn(VOCAB, generator=g) * 3, dim=-1))
 
 
+def envelope(request_id: str, row: bytes) -> bytes:
+    """A bare reply: the request's id and the row, in one msgpack array."""
+    return msgpack.packb([request_id, row], use_bin_type=True)
+
+
 # -- the minimal worker (subprocess) ------------------------------------------------------
 def worker_main(url: str) -> None:
     """XREADGROUP a batch, reply by each request's path, XACK + XDEL, in one pipeline."""
@@ -97,7 +103,7 @@ def worker_main(url: str) -> None:
         ids = []
         for entry_id, fields in entries:
             ids.append(entry_id)
-            reply = protocol.encode_reply(fields[b"id"].decode(), row)
+            reply = envelope(fields[b"id"].decode(), row)
             to, how = fields[b"to"], fields[b"how"]
             if how == b"list":
                 pipe.rpush(to, reply)
@@ -166,7 +172,7 @@ class PathClient:
         await pipe.execute()
 
     def deliver(self, raw: bytes) -> None:
-        digest, result = protocol.decode_reply(raw)
+        digest, result = msgpack.unpackb(raw)
         fut = self.pending.pop(digest, None)
         if fut is not None and not fut.done():
             assert isinstance(result, bytes)
@@ -282,7 +288,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     levels = [int(x) for x in args.in_flight.split(",")]
     paths = [p for p in args.paths.split(",") if p]
     row = payload()
-    reply_size = len(protocol.encode_reply("0" * 40, row))
+    reply_size = len(envelope("0" * 40, row))
     threads = f"{args.lmpool_threads} torch thread(s)" if args.lmpool_threads else "torch default"
     with RedisServer() as server:
         url = server.url

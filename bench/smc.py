@@ -24,12 +24,14 @@ import asyncio
 import random
 import shutil
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import benchkit
 import redis
 import torch
 
+from shared.keys import Keys
 from shared.redis_server import RedisServer
 from shared.settings import Settings
 
@@ -53,14 +55,17 @@ async def smc(lm: Any, prompt: list[int], particles: int, steps: int, affinity: 
     return requests, tokens, time.perf_counter() - started
 
 
+KEYS = Keys()
+
+
 def kv_totals(url: str) -> dict[str, int]:
     """Sum of the KV counters in every live worker's heartbeat."""
     import json
 
     r = redis.Redis.from_url(url)
     totals: dict[str, int] = {}
-    for key in r.scan_iter("lmpool:worker:*"):
-        raw = r.hget(key, "kv")
+    for key in r.scan_iter(KEYS.worker_pattern()):
+        raw = cast("bytes | None", r.hget(key, "kv"))
         for k, v in (json.loads(raw) if raw else {}).items():
             totals[k] = totals.get(k, 0) + int(v)
     r.close()
@@ -85,7 +90,7 @@ def start(url: str, n: int, args: argparse.Namespace, **settings: Any) -> list[b
     return [benchkit.Worker(url, **common).start() for _ in range(n)]
 
 
-async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[str | None],
+async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: Sequence[str | None],
                 steps: int, **settings: Any) -> dict[str, Any]:  # fmt: skip
     r = redis.Redis.from_url(url)
     r.flushall()
@@ -93,7 +98,7 @@ async def phase(url: str, args: argparse.Namespace, n_workers: int, runs: list[s
     try:
         lm = await benchkit.connect_remote_lm(workers[0], url, MODEL.served_model_name, 600, 3600)
         # every worker must be up before the clock starts
-        while r.zcard(f"lmpool:workers:{MODEL.served_model_name}") < n_workers:
+        while cast(int, r.zcard(KEYS.workers(MODEL.served_model_name))) < n_workers:
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.5)  # leases settle
         prompt = random.Random(args.seed).choices(range(1000, 40000), k=args.prompt_tokens)

@@ -43,6 +43,11 @@ def make_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[li
     return [[f, *(rng.randrange(FIRST_ID, vocab) for _ in range(tokens - 1))] for f in firsts]
 
 
+TWO_ENGINES_GPU_SHARE = 0.4
+"""vLLM on CUDA: the GPU memory share of each of the two engines (the pool's worker and the
+in-process reference); the CPU build sizes its KV cache from ``kv_cache_mb`` instead."""
+
+
 class InProcessVLLM:
     """vLLM in this process, no Redis: lmpool's vllm backend called directly, concurrent
     requests batched ``batch`` at a time (genlm-backend's AsyncVirtualLM needs vLLM's V2 model
@@ -51,7 +56,14 @@ class InProcessVLLM:
     def __init__(self, path: Path, batch: int) -> None:
         from worker.backends.vllm import VLLMBackend
 
-        self.backend = VLLMBackend(Settings(backend="vllm", model=str(path), kv_cache_mb=0))
+        self.backend = VLLMBackend(
+            Settings(
+                backend="vllm",
+                model=str(path),
+                kv_cache_mb=0,
+                gpu_memory_utilization=TWO_ENGINES_GPU_SHARE,
+            )
+        )
         self.batch = batch
         self.queue: list[tuple[list[int], asyncio.Future[torch.Tensor]]] = []
         self.draining = False
@@ -126,6 +138,8 @@ async def run(args: argparse.Namespace, report: Report) -> None:
     }
     if args.kv_cache_mb is not None:
         settings["kv_cache_mb"] = args.kv_cache_mb
+    if args.backend == "vllm":
+        settings["gpu_memory_utilization"] = TWO_ENGINES_GPU_SHARE
     here = Settings.from_env()  # the worker gets no LMPOOL_* variable but these
     settings["cache_dir"] = here.cache_dir
     if here.model:
@@ -159,7 +173,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                 f"batch_size {args.genlm_batch}"
             )
             # a GPU picks kernels per shape: warm it up at the measured shape
-            warm_shape = (
+            warm_shape: tuple[int, int] = (
                 (args.prompts, args.tokens)
                 if args.device == "cuda"
                 else (WARM_PROMPTS, WARM_TOKENS)

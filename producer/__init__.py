@@ -5,8 +5,13 @@ they need from here.
 """
 
 from producer.remote_lm import RemoteLM
-from shared.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
-from shared.vocab import Token, decode_vocab
+from producer.tokenization import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    Token,
+    TokenCharacterTrie,
+    decode_vocab,
+)
 
 __all__ = [
     "AsyncTokenCharacterTrie",

@@ -10,10 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +18,7 @@ import torch
 
 from producer import RemoteLM
 from shared.redis_server import RedisServer
+from worker.launch import WorkerProcess
 
 PROMPTS = [
     "The capital of France is",
@@ -29,15 +26,6 @@ PROMPTS = [
     "Once upon a time, there was a",
     "The opposite of hot is",
 ]
-
-
-def start_worker(redis_url: str, log_path: Path, backend: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
-    env.update({"LMPOOL_REDIS_URL": redis_url, "LMPOOL_BACKEND": backend})
-    log = log_path.open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "arq", "worker.WorkerSettings"], env=env, stdout=log, stderr=log
-    )
 
 
 async def score(redis_url: str, top_k: int) -> None:
@@ -80,13 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     log_path = Path(tempfile.mkdtemp(prefix="lmpool-demo-")) / "worker.log"
     with RedisServer() as server:
         print(f"private Redis on {server.url} ({server.binary})")
-        worker = start_worker(server.url, log_path, args.backend)
+        worker = WorkerProcess(server.url, log_path=log_path, backend=args.backend).start()
         print(f"worker pid {worker.pid} loading the default model (log: {log_path})")
         try:
+            t0 = time.monotonic()
+            worker.wait_ready(timeout_s=600)  # fails at once, with the log, if the worker dies
+            print(f"worker ready after {time.monotonic() - t0:.1f}s")
             asyncio.run(score(server.url, args.top_k))
         finally:
-            worker.send_signal(signal.SIGTERM)
-            code = worker.wait(timeout=60)
+            code = worker.terminate(timeout_s=60)
             print(f"worker stopped (exit {code})")
     return 0
 

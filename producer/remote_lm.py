@@ -4,41 +4,62 @@ Results come from three levels, cheapest first: this object's LRU (``clear_cache
 it), the shared Redis cache (content-addressed, so any producer's earlier request counts), and
 finally the workers. Concurrent identical requests, from this producer or any other, cause one
 forward row.
+
+One object serves every event loop and thread that calls it (see ``producer.client``). Methods
+that genlm-backend makes synchronous stay synchronous here; those that need the network
+(``cache_kv``, ``clear_kv_cache``, ``add_new_lora``, ``remove_lora``) block the calling thread
+when no event loop runs in it, and otherwise run as a task of the running loop (returned, so
+``await lm.cache_kv(ids)`` waits for it) instead of blocking that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-from producer.client import PoolClient
-from shared import protocol, registry
-from shared.cache import OutputCache
-from shared.errors import InvalidRequest, NoWorker
+from producer.adapters import AdapterMethods, AdapterNames
+from producer.background import awaitable, nothing, run_or_schedule
+from producer.cache import OutputCache
+from producer.client import PoolClient, Prepared
+from producer.connect import resolve_settings, wait_for_model, wait_for_model_sync
+from producer.genlm import register_with_genlm
+from producer.inputs import sample_params, token_array
+from producer.routing import shard_of
+from producer.tokenization.vocab import Vocabularies
+from shared import protocol
+from shared.errors import InvalidRequest
 from shared.keys import request_digest
-from shared.redis_conn import connect_redis
-from shared.routing import shard_of
+from shared.registry import ModelMeta
 from shared.settings import Settings
 from shared.tokenizer import tokenizer_from_json
 
-Ids = Sequence[int] | torch.Tensor
+log = logging.getLogger("lmpool.producer")
+Ids = Sequence[int] | torch.Tensor | np.ndarray
+T = TypeVar("T")
+SET_LORA_REMOVED = (
+    "set_lora() was removed: there is no active-adapter global anymore. "
+    "Pass lora_name= per call (next_token_logprobs/sample/...)."
+)
+CLEAR_LORA_REMOVED = "clear_lora() was removed: omit lora_name (None = base model)."
 
 
-class RemoteLM:
+class RemoteLM(AdapterMethods):
     """A language model in the pool, used like genlm-backend's ``AsyncLM``.
 
-    Build it with ``await RemoteLM.connect(...)``; ``tokenizer``, ``byte_vocab`` and
-    ``str_vocab`` come from the workers, so this host needs no model files.
+    Build it with ``await RemoteLM.connect(...)`` (or ``RemoteLM.from_name(...)`` without an
+    event loop); ``tokenizer``, ``byte_vocab`` and ``str_vocab`` come from the workers, so this
+    host needs no model files.
     """
 
     def __init__(
         self,
         client: PoolClient,
-        meta: dict[str, Any],
+        meta: ModelMeta,
         timeout_s: float,
         cache_size: int = 0,
     ) -> None:
@@ -46,15 +67,21 @@ class RemoteLM:
         self.model = client.model
         self.meta = meta
         self.timeout_s = timeout_s
-        self.fingerprint: str = meta["fingerprint"]
-        self.vocab_size: int = int(meta["vocab_size"])
-        self.eos_token_ids: list[int] = list(meta["eos_token_ids"])
+        self.fingerprint = meta["fingerprint"]
+        self.vocab_size = meta["vocab_size"]
+        self.eos_token_ids = list(meta["eos_token_ids"])
+        self.prompt_limit = meta["prompt_limit"]
+        """Longest prompt the workers take (their context, or LMPOOL_MAX_PROMPT_TOKENS)."""
+        self.max_message_bytes = meta["max_message_bytes"]
         self.tokenizer = tokenizer_from_json(meta["tokenizer_json"], meta["tokenizer_config"])
-        self._vocab: tuple[list[Any], list[str]] | None = None
-        self._vocab_lock = threading.Lock()
+        self._vocab = Vocabularies(self.tokenizer)  # built on first use, genlm's Token if found
         self.cache = OutputCache(cache_size)
         self.affinity: str | None = None
         """Default affinity key of this object's requests (e.g. an SMC run id)."""
+        self._pinned: dict[tuple[bytes, str | None], int] = {}
+        """Prefixes this object pinned with ``cache_kv`` (ids, adapter) -> shard."""
+        self._adapters = AdapterNames()
+        self._adapter_tasks: dict[str, asyncio.Task[Any]] = {}
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -74,113 +101,125 @@ class RemoteLM:
         Arguments left as None come from ``LMPOOL_*`` variables (``LMPOOL_REDIS_URL``,
         ``LMPOOL_MODEL_NAME`` or ``LMPOOL_MODEL``, ``LMPOOL_TIMEOUT_S``,
         ``LMPOOL_CONNECT_TIMEOUT_S``). ``timeout_s`` bounds each request; ``priority="low"``
-        sends requests to the offline stream that workers serve after interactive work.
+        sends requests to the offline streams that workers serve after interactive work.
         """
-        settings = settings or Settings.from_env()
-        settings = settings.replace(
-            **{
-                k: v
-                for k, v in {
-                    "redis_url": redis_url,
-                    "timeout_s": timeout_s,
-                    "connect_timeout_s": connect_timeout_s,
-                }.items()
-                if v is not None
-            }
+        settings, name = resolve_settings(settings, redis_url, model, timeout_s, connect_timeout_s)
+        meta, offset = await wait_for_model(settings, name)
+        return cls._build(settings, name, meta, offset, priority, cache_size)
+
+    @classmethod
+    def from_name(
+        cls,
+        model_name: str | None = None,
+        redis_url: str | None = None,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> RemoteLM:
+        """Blocking :meth:`connect` for code without an event loop (genlm's ``from_name``)."""
+        settings, name = resolve_settings(
+            kwargs.pop("settings", None),
+            redis_url,
+            model_name,
+            timeout_s,
+            kwargs.pop("connect_timeout_s", None),
         )
-        name = model or settings.served_model_name
-        meta = await wait_for_model(settings, name)
-        pool_wide = ("max_queue", "shards", "affinity_tokens")  # set by the workers
-        settings = settings.replace(**{k: int(meta[k]) for k in pool_wide if k in meta})
-        client = PoolClient(settings, name, priority)
-        client.start()
+        meta, offset = wait_for_model_sync(settings, name)
+        return cls._build(settings, name, meta, offset, **kwargs)
+
+    @classmethod
+    def _build(
+        cls,
+        settings: Settings,
+        name: str,
+        meta: ModelMeta,
+        clock_offset_ms: float,
+        priority: str = "high",
+        cache_size: int = 1024,
+    ) -> RemoteLM:
+        settings = settings.replace(  # pool-wide, set by the workers
+            max_queue=meta["max_queue"],
+            shards=meta["shards"],
+            affinity_tokens=meta["affinity_tokens"],
+        )
+        client = PoolClient(settings, name, priority, clock_offset_ms)
         return cls(client, meta, settings.timeout_s, cache_size)
 
     # -- vocabularies -------------------------------------------------------------------------
-    def _vocabs(self) -> tuple[list[Any], list[str]]:
-        with self._vocab_lock:
-            if self._vocab is None:
-                from shared.vocab import decode_vocab
-
-                byte_vocab, str_vocab = decode_vocab(self.tokenizer)
-                self._vocab = (as_genlm_tokens(byte_vocab), str_vocab)
-            return self._vocab
-
     @property
     def byte_vocab(self) -> list[Any]:
-        """``Token`` (bytes) of every token id, as genlm-backend decodes them."""
-        return self._vocabs()[0]
+        """``Token`` (bytes) of every token id, as genlm-backend decodes them: genlm-backend's
+        own ``Token`` class when it is installed (genlm-control checks it), else ours."""
+        return self._vocab.byte_vocab
 
     @property
     def str_vocab(self) -> list[str]:
-        return self._vocabs()[1]
+        return self._vocab.str_vocab
 
     # -- requests -------------------------------------------------------------------------
-    def _ids(self, token_ids: Ids) -> list[int]:
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
-        if not ids:
-            raise InvalidRequest("empty prompt: at least one token id is needed")
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                raise InvalidRequest(f"token id {i!r} is not an integer in [0, {self.vocab_size})")
-        return [int(i) for i in ids]
-
-    def _message(
-        self, kind: str, ids: list[int], lora: str | None, params: dict[str, Any]
-    ) -> tuple[str, bytes]:
-        digest = request_digest(
-            self.fingerprint, kind, ids, lora, protocol.canonical_params(kind, params)
-        )
-        message = protocol.encode_request(
-            {
-                "v": protocol.PROTOCOL_VERSION,
-                "kind": kind,
-                "digest": digest,
-                "ids": ids,
-                "lora": lora,
-                "params": params,
-                "deadline_ms": registry.now_ms() + int(self.timeout_s * 1000),
-                "client": self._client.client_id,
-            }
-        )
-        return digest, message
-
-    def _shard(self, ids: list[int], affinity: str | None) -> int:
-        s = self._client.settings
-        return shard_of(ids, s.shards, s.affinity_tokens, affinity or self.affinity)
-
-    async def _call(
+    def _prepare(
         self,
         kind: str,
         token_ids: Ids,
         lora: str | None,
         params: dict[str, Any],
         affinity: str | None = None,
-    ) -> torch.Tensor:
-        ids = self._ids(token_ids)
-        digest, message = self._message(kind, ids, lora, params)
-        cacheable = kind != "cache_kv"
-        cached = self.cache.get(digest) if cacheable else None
+        extra_tokens: int = 0,
+    ) -> Prepared:
+        """Checked, encoded, addressed and routed: everything but the deadline."""
+        ids = token_array(token_ids, self.vocab_size)
+        if len(ids) + extra_tokens > self.prompt_limit:
+            what = "prompt and continuation" if extra_tokens else "prompt"
+            raise InvalidRequest(
+                f"{what} of {len(ids) + extra_tokens} tokens exceeds the limit of "
+                f"{self.prompt_limit} (the model's context, or LMPOOL_MAX_PROMPT_TOKENS)"
+            )
+        size = protocol.message_bytes(len(ids) + extra_tokens)
+        if size > self.max_message_bytes:
+            raise InvalidRequest(
+                f"a request of {len(ids) + extra_tokens} tokens (~{size} bytes) exceeds "
+                f"the workers' LMPOOL_MAX_MESSAGE_BYTES={self.max_message_bytes}"
+            )
+        if lora is not None and not isinstance(lora, str):
+            raise InvalidRequest(f"lora_name must be a string or None, not {lora!r}")
+        raw = ids.tobytes()
+        digest = request_digest(
+            self.fingerprint, kind, raw, lora, protocol.canonical_params(kind, params)
+        )
+        s = self._client.settings
+        shard = shard_of(raw, s.shards, s.affinity_tokens, affinity or self.affinity)
+        request: protocol.Request = {
+            "v": protocol.PROTOCOL_VERSION,
+            "kind": kind,
+            "digest": digest,
+            "ids": raw,
+            "lora": lora,
+            "params": params,
+            "deadline_ms": 0,
+        }
+        return Prepared(digest, shard, request)
+
+    async def _call(self, prepared: Prepared) -> torch.Tensor:
+        cacheable = prepared.request["kind"] != "cache_kv"
+        cached = self.cache.get(prepared.digest) if cacheable else None
         if cached is not None:
             return cached
-        raw = await self._client.request(
-            digest, message, self.timeout_s, self._shard(ids, affinity)
-        )
+        raw = await self._client.request(prepared, self.timeout_s)
         result = protocol.decode_result(raw)
         if cacheable:
-            self.cache[digest] = result
+            self.cache[prepared.digest] = result
         return result
 
     async def next_token_logprobs(
         self, token_ids: Ids, lora_name: str | None = None, *, affinity: str | None = None
     ) -> torch.Tensor:
-        """Normalized log-probs of the next token, a 1-D tensor of ``vocab_size``.
+        """Normalized log-probs of the next token, a float32 tensor of ``vocab_size``.
 
         ``affinity`` (default: this object's ``affinity``) routes requests with the same key to
         the same worker, whose KV cache then holds their common prefix; without one, the first
         ``affinity_tokens`` tokens decide.
         """
-        return await self._call("logprobs", token_ids, lora_name, {}, affinity)
+        lora = await self._adapter(lora_name) if lora_name is not None else None
+        return await self._call(self._prepare("logprobs", token_ids, lora, {}, affinity))
 
     async def batch_next_token_logprobs(
         self,
@@ -190,18 +229,10 @@ class RemoteLM:
         affinity: str | None = None,
     ) -> torch.Tensor:
         """``[N, vocab_size]``; the N requests go to Redis in one pipeline."""
-        rows = await asyncio.gather(
-            *(self.next_token_logprobs(ids, lora_name, affinity=affinity) for ids in token_ids_list)
-        )
+        lora = await self._adapter(lora_name) if lora_name is not None else None
+        prepared = [self._prepare("logprobs", ids, lora, {}, affinity) for ids in token_ids_list]
+        rows = await asyncio.gather(*(self._call(p) for p in prepared))
         return torch.stack(rows)
-
-    async def cache_kv(
-        self, prompt_token_ids: Ids, lora_name: str | None = None, *, affinity: str | None = None
-    ) -> bool:
-        """Hint: compute this prefix's key/values on the worker that serves its shard and keep
-        them from eviction there. True if a worker pinned it (the hf backend's KV cache)."""
-        out = await self._call("cache_kv", prompt_token_ids, lora_name, {}, affinity)
-        return bool(out.item())
 
     def next_token_logprobs_sync(
         self, token_ids: Ids, lora_name: str | None = None
@@ -212,26 +243,35 @@ class RemoteLM:
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Ids], lora_name: str | None = None
     ) -> torch.Tensor:
-        return torch.stack(self._sync_call("logprobs", token_ids_list, lora_name, {}))
+        lora = self._adapter_sync(lora_name)
+        prepared = [self._prepare("logprobs", ids, lora, {}) for ids in token_ids_list]
+        return torch.stack(self._call_sync(prepared))
 
-    def _sync_call(
-        self, kind: str, token_ids_list: Sequence[Ids], lora: str | None, params: dict[str, Any]
-    ) -> list[torch.Tensor]:
-        all_ids = [self._ids(ids) for ids in token_ids_list]
-        messages = [self._message(kind, ids, lora, params) for ids in all_ids]
+    def next_token_logprobs_uncached(
+        self, token_ids: Ids, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking, without this object's LRU (genlm's uncached path; the shared cache still
+        answers, with the same numbers the workers would compute)."""
+        prepared = self._prepare("logprobs", token_ids, self._adapter_sync(lora_name), {})
+        raw = self._client.request_sync([prepared], self.timeout_s)
+        return protocol.decode_result(raw[prepared.digest])
+
+    def _call_sync(self, prepared: list[Prepared]) -> list[torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        missing: dict[str, tuple[str, bytes, int]] = {}
-        for ids, (digest, message) in zip(all_ids, messages, strict=True):
-            hit = self.cache.get(digest)
+        missing: dict[str, Prepared] = {}
+        for p in prepared:
+            hit = self.cache.get(p.digest) if p.request["kind"] != "cache_kv" else None
             if hit is not None:
-                out[digest] = hit
+                out[p.digest] = hit
             else:
-                missing[digest] = (digest, message, self._shard(ids, None))
+                missing[p.digest] = p
         if missing:
-            raw = self._client.sync().request_many(list(missing.values()), self.timeout_s)
+            raw = self._client.request_sync(list(missing.values()), self.timeout_s)
             for digest, data in raw.items():
-                out[digest] = self.cache[digest] = protocol.decode_result(data)
-        return [out[d] for d, _ in messages]
+                out[digest] = protocol.decode_result(data)
+                if missing[digest].request["kind"] != "cache_kv":
+                    self.cache[digest] = out[digest]
+        return [out[p.digest] for p in prepared]
 
     async def sample(
         self,
@@ -246,13 +286,9 @@ class RemoteLM:
 
         With a seed the result is reproducible (and cached); without one every call draws anew.
         """
-        params = {
-            "max_tokens": int(max_tokens),
-            "eos": [int(t) for t in eos_token_ids],
-            "temperature": float(temperature),
-            "seed": seed if seed is not None else _fresh_seed(),
-        }
-        tokens = await self._call("sample", prompt_token_ids, lora_name, params)
+        params = sample_params(max_tokens, eos_token_ids, temperature, seed)
+        lora = await self._adapter(lora_name) if lora_name is not None else None
+        tokens = await self._call(self._prepare("sample", prompt_token_ids, lora, params))
         return [int(t) for t in tokens.tolist()]
 
     async def batch_sample(
@@ -277,8 +313,63 @@ class RemoteLM:
         self, prompt_ids: Ids, continuation_ids: Ids, lora_name: str | None = None
     ) -> torch.Tensor:
         """Log-prob of each continuation token given all before it (one forward pass)."""
-        cont = self._ids(continuation_ids)
-        return await self._call("score", prompt_ids, lora_name, {"cont": cont})
+        cont = token_array(continuation_ids, self.vocab_size).tolist()
+        lora = await self._adapter(lora_name) if lora_name is not None else None
+        prepared = self._prepare("score", prompt_ids, lora, {"cont": cont}, extra_tokens=len(cont))
+        return await self._call(prepared)
+
+    # -- KV cache hints ---------------------------------------------------------------------
+    def cache_kv(
+        self, prompt_tokens: Ids, lora_name: str | None = None, *, affinity: str | None = None
+    ) -> Any:
+        """Compute this prefix's key/values on the worker that serves its shard and keep them
+        from eviction there (genlm's ``cache_kv``; a plain method, as there).
+
+        Without a running event loop it blocks and returns True if a worker pinned it (the hf
+        backend's KV cache). Inside one it starts a task and returns it (``await`` it for the
+        answer; if nobody does, a failure is logged): it never blocks the loop.
+        """
+        ids = token_array(prompt_tokens, self.vocab_size)  # bad ids fail here, at once
+
+        def prepare(lora: str | None) -> Prepared:
+            prepared = self._prepare("cache_kv", ids, lora, {"pin": True}, affinity)
+            self._pinned[(prepared.request["ids"], lora)] = prepared.shard
+            return prepared
+
+        async def pin() -> bool:
+            lora = await self._adapter(lora_name) if lora_name is not None else None
+            return bool((await self._call(prepare(lora))).item())
+
+        def pin_now() -> bool:
+            prepared = prepare(self._adapter_sync(lora_name))
+            return bool(self._call_sync([prepared])[0].item())
+
+        return run_or_schedule(pin, pin_now)
+
+    def clear_kv_cache(self) -> Any:
+        """Unpin every prefix this object pinned with ``cache_kv``: the workers may evict them
+        again (genlm's ``clear_kv_cache``). Blocking without a loop, a task inside one."""
+        pins, self._pinned = dict(self._pinned), {}
+        prepared = []
+        for (ids, lora), shard in pins.items():
+            p = self._prepare("cache_kv", np.frombuffer(ids, "<i4"), lora, {"pin": False})
+            p.shard = shard  # where it was pinned, whatever the affinity
+            prepared.append(p)
+        if not prepared:
+            return run_or_schedule(nothing, lambda: None)
+
+        async def unpin() -> None:
+            await asyncio.gather(*(self._call(p) for p in prepared))
+
+        return run_or_schedule(unpin, lambda: self._call_sync(prepared) and None)
+
+    def set_lora(self, lora_path: Any, lora_name: Any) -> None:
+        """Removed in genlm-backend 0.3.1, as here: adapters are chosen per call."""
+        raise RuntimeError(SET_LORA_REMOVED)
+
+    def clear_lora(self) -> None:
+        """Removed in genlm-backend 0.3.1, as here: ``lora_name=None`` is the base model."""
+        raise RuntimeError(CLEAR_LORA_REMOVED)
 
     # -- caches and lifecycle -------------------------------------------------------------------
     def clear_cache(self) -> None:
@@ -292,14 +383,27 @@ class RemoteLM:
         return await self._client.clear_results()
 
     def reset_async_queries(self) -> None:
-        """Fail every request still waiting on this object."""
+        """Fail every request still waiting on this object, in every loop."""
         self._client.reset()
 
+    async def release_all(self) -> None:
+        """genlm's ``AsyncVirtualLM.release_all`` (end of an inference run): unpins this
+        object's ``cache_kv`` prefixes."""
+        await awaitable(self.clear_kv_cache())
+
+    @property
+    def underlying_model(self) -> Any:
+        raise AttributeError(
+            "a RemoteLM has no model in this process: the model runs on the pool's workers"
+        )
+
     async def close(self) -> None:
+        """Close every connection of this object, in every loop and thread."""
         await self._client.close()
 
-    async def cleanup(self) -> None:
-        await self.close()
+    def cleanup(self) -> None:
+        """Synchronous close (genlm's ``cleanup``); inside a running loop it is scheduled."""
+        self._client.close_sync()
 
     async def __aenter__(self) -> RemoteLM:
         return self
@@ -307,56 +411,12 @@ class RemoteLM:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def __enter__(self) -> RemoteLM:
+        return self
 
-async def wait_for_model(settings: Settings, model: str) -> dict[str, Any]:
-    """Metadata of ``model`` once a live worker serves it; ``NoWorker`` after the timeout."""
-    from shared.keys import Keys
-
-    keys = Keys(settings.key_prefix)
-    redis = connect_redis(settings.redis_url)
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + settings.connect_timeout_s
-        while True:
-            if await registry.live_workers(redis, keys, model):
-                meta = await registry.read_meta(redis, keys, model)
-                if meta is not None:
-                    return meta
-            if loop.time() >= deadline:
-                seen = await redis.smembers(keys.models)  # type: ignore[misc]
-                known = sorted(m.decode() for m in seen)
-                raise NoWorker(
-                    f"no live worker serves model {model!r} on {_safe_url(settings.redis_url)} "
-                    f"after {settings.connect_timeout_s:g}s; models seen: {known or 'none'}. "
-                    f"Start one: LMPOOL_MODEL=... arq worker.WorkerSettings"
-                )
-            await asyncio.sleep(0.1)
-    finally:
-        await redis.aclose()
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
 
 
-def as_genlm_tokens(byte_vocab: list[Any]) -> list[Any]:
-    """genlm-backend's own ``Token`` objects when it is installed, else ours.
-
-    genlm-control tests ``isinstance(t, genlm.backend.tokenization.Token)``; the two classes
-    behave the same, so a program sees identical vocabularies either way.
-    """
-    try:
-        from genlm.backend.tokenization import Token as GenlmToken
-    except Exception:  # not installed, or its optional imports fail: ours will do
-        return byte_vocab
-    return [GenlmToken(t.token_id, bytes(t)) for t in byte_vocab]
-
-
-def _safe_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-
-
-def _fresh_seed() -> int:
-    import secrets
-
-    return secrets.randbits(62)
+register_with_genlm(RemoteLM)
+__all__ = ["RemoteLM", "token_array"]

@@ -12,8 +12,11 @@ import sys
 # caller's permissions), plus connection set-up.
 PRODUCER_COMMANDS = (
     "evalsha", "eval", "script|load", "script|exists",  # SUBMIT
-    "get", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen", "hincrby",  # SUBMIT
+    "exists", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen", "hincrby",  # SUBMIT
+    "get", "mget",  # results
     "blmpop",  # replies
+    "time",  # the server's clock, for request deadlines
+    "info",  # whether the server is a cluster node (asked once per connect)
     "zrangebyscore", "hgetall", "smembers", "xpending",  # discovery, error messages
     "scan", "unlink",  # clear_shared_cache
     "ping", "hello", "select", "auth", "client|setname",
@@ -26,7 +29,7 @@ def worker_rule(user: str, password: str, prefix: str = "lmpool") -> str:
     return (
         f"user {user} on >{password} resetkeys ~{prefix}:* ~arq:* resetchannels "
         "-@all +@read +@write +@stream +@list +@hash +@set +@sortedset +@string +@keyspace "
-        "+@scripting +@transaction +@connection -@dangerous +info "
+        "+@scripting +@transaction +@connection -@dangerous +info +time "
         "+client|setname"
     )
 

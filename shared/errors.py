@@ -60,6 +60,14 @@ class RequestTimeout(LMPoolError, TimeoutError):
     code = "timeout"
 
 
+class Expired(RequestTimeout):
+    """A worker dropped the request unanswered: its deadline had passed before it could run.
+
+    A producer that still waits for the digest (a later asker's deadline) submits it again."""
+
+    code = "expired"
+
+
 class QueueFull(LMPoolError):
     """The model's request stream is longer than ``LMPOOL_MAX_QUEUE``: back off and retry."""
 
@@ -88,6 +96,7 @@ _BY_CODE: dict[str, type[LMPoolError]] = {
         ProtocolError,
         NoWorker,
         RequestTimeout,
+        Expired,
         QueueFull,
         WorkerError,
         DeadLettered,

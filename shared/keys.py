@@ -1,38 +1,82 @@
-"""The Redis key layout: every key lmpool reads or writes is spelled here and nowhere else.
+"""The Redis key layout: every key lmpool reads or writes is spelled here, and parsed here.
 
 All keys start with the configured prefix (``LMPOOL_KEY_PREFIX``, default ``lmpool``), so one
 ACL pattern (``~lmpool:*``) covers a tenant and a second prefix isolates a second tenant.
 
-=========================  =======  ==========================================================
-key                        type     holds
-=========================  =======  ==========================================================
-``P:models``               set      names of models that have had a worker
-``P:meta:M``               hash     model metadata and serialized tokenizer, from workers
-``P:workers:M``            zset     worker id -> last heartbeat (ms) for model ``M``
-``P:worker:W``             hash     one worker's description and counters (expires)
-``P:req:M:high:S``         stream   interactive requests for model ``M``, shard ``S``
-``P:req:M:low``            stream   offline requests for model ``M``
-``P:lease:M:S``            string   id of the worker that owns shard ``S`` (expires)
-``P:dead:M``               stream   requests that could not be answered (dead letters)
-``P:stats:M``              hash     producer-side counters: cache_hits, queued, joined, rejected
-``P:res:M:D``              string   result for content digest ``D`` (the shared output cache)
-``P:wait:M:D``             set      reply lists waiting for digest ``D``
-``P:fly:M:D``              string   marks digest ``D`` as queued, so it is queued only once
-``P:reply:C``              list     replies for producer connection ``C``
-``P:arq``                  arq      arq's job queue (offline jobs)
-``P:job:J``                hash     progress of offline job ``J`` (``score_file``; expires)
-=========================  =======  ==========================================================
+A model's requests are split into ``LMPOOL_SHARDS`` shards (by prompt prefix or affinity key,
+see ``producer.routing``). Everything one request touches atomically, its shard's streams and
+stats and its digest's result, waiters and in-flight marker, carries the shard's hash tag
+``{M:S}``: on a Redis Cluster they share one slot, so the SUBMIT and FINISH scripts stay
+single-slot, and the shards of a model spread over the masters. A digest's keys live in the
+slot of the shard its prompt is routed to, which is a function of the prompt (or of an explicit
+affinity key): the same prompt asked with different affinity keys is cached once per shard.
+
+The keys, one row each, are :data:`KEY_TABLE`; ``python -m shared.keys`` prints them as the
+markdown table in ``docs/architecture.md`` (a test checks the two agree, and that every key
+:class:`Keys` builds matches a row).
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
+import re
 from dataclasses import dataclass
+
+KEY_TABLE: tuple[tuple[str, str, str], ...] = (
+    ("P:models", "set", "names of models that have had a worker"),
+    ("P:meta:M", "hash", "model metadata and serialized tokenizer, from workers"),
+    ("P:workers:M", "zset", "worker id -> alive-until time (ms) for model `M`"),
+    ("P:worker:W", "hash", "one worker's description and counters (expires)"),
+    ("P:lease:M:S", "string", "id of the worker that owns shard `S` (expires)"),
+    ("P:dead:M", "stream", "requests that could not be answered (dead letters)"),
+    ("P:{M:S}:high", "stream", "interactive requests of shard `S`"),
+    ("P:{M:S}:low", "stream", "offline requests of shard `S`"),
+    ("P:{M:S}:stats", "hash", "producer-side counters: cache_hits, queued, joined, rejected"),
+    ("P:{M:S}:res:D", "string", "result for content digest `D` (the shared output cache)"),
+    ("P:{M:S}:wait:D", "set", "reply lists waiting for digest `D`"),
+    ("P:{M:S}:fly:D", "string", "marks digest `D` as queued, so it is queued only once"),
+    ("P:reply:C", "list", "replies for producer connection `C`"),
+    ("P:lora:M", "hash", "adapters added at run time: name -> description (JSON)"),
+    ("P:lorafile:M:N:H", "string", "one file of adapter `N` (content hash `H`)"),
+    ("P:arq", "arq", "arq's job queue (offline jobs)"),
+    ("P:job:J", "hash", "progress of offline job `J` (`score_file`; expires)"),
+)
+"""Every key: its pattern (``P`` the prefix, ``M`` a model, ``S`` a shard, ``D`` a digest, ``C``
+a producer connection, ``W`` a worker, ``N`` an adapter, ``H`` a content hash, ``J`` a job),
+its Redis type and what it holds."""
+
+
+def key_table() -> str:
+    """:data:`KEY_TABLE` as a markdown table."""
+    lines = ["| key | type | holds |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | {kind} | {holds} |" for key, kind, holds in KEY_TABLE]
+    return "\n".join(lines) + "\n"
+
 
 GROUP = "lmpool-workers"
 """Consumer group every worker of a model reads through."""
 PRIORITIES = ("high", "low")
+_STREAM = re.compile(r"\{(?P<model>.*):(?P<shard>\d+)\}:(?P<priority>high|low)$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """``name`` if it can be part of a key: no braces (they would move the hash tag)."""
+    if not name or "{" in name or "}" in name:
+        raise ValueError(f"{kind} {name!r} must be non-empty and contain no braces")
+    return name
+
+
+@dataclass(frozen=True)
+class StreamName:
+    """What a request stream's name says: model, shard, priority."""
+
+    model: str
+    shard: int
+    priority: str
+
+    @property
+    def offline(self) -> bool:
+        return self.priority == "low"
 
 
 @dataclass(frozen=True)
@@ -44,6 +88,10 @@ class Keys:
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
+    def _tagged(self, model: str, shard: int, *parts: str) -> str:
+        return ":".join((self.prefix, f"{{{model}:{shard}}}", *parts))
+
+    # -- the pool --------------------------------------------------------------------------
     @property
     def models(self) -> str:
         return self._k("models")
@@ -61,61 +109,102 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return self._k("worker", worker_id)
 
-    def stream(self, model: str, priority: str = "high", shard: int = 0) -> str:
-        """Interactive requests are sharded (prefix affinity); offline ones share one stream."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
-        if priority == "low":
-            return self._k("req", model, "low")
-        return self._k("req", model, "high", str(shard))
+    def worker_pattern(self) -> str:
+        """SCAN pattern of every worker's description hash."""
+        return self._k("worker", "*")
 
-    def streams(self, model: str, shards: int) -> list[str]:
-        """Request streams of a model: the interactive shards, then the offline stream."""
-        return [self.stream(model, "high", s) for s in range(shards)] + [self.stream(model, "low")]
+    def worker_id_of(self, key: str | bytes) -> str:
+        """The worker id in a :meth:`worker` key."""
+        text = key.decode() if isinstance(key, bytes) else key
+        return text[len(self._k("worker", "")) :]
 
     def lease(self, model: str, shard: int) -> str:
         return self._k("lease", model, str(shard))
 
-    def stats(self, model: str) -> str:
-        return self._k("stats", model)
-
     def dead(self, model: str) -> str:
         return self._k("dead", model)
-
-    def result(self, model: str, digest: str) -> str:
-        return self._k("res", model, digest)
-
-    def results(self, model: str) -> str:
-        """SCAN pattern of every cached result of ``model``."""
-        return self._k("res", model, "*")
-
-    def waiters(self, model: str, digest: str) -> str:
-        return self._k("wait", model, digest)
-
-    def inflight(self, model: str, digest: str) -> str:
-        return self._k("fly", model, digest)
-
-    def reply(self, client_id: str) -> str:
-        return self._k("reply", client_id)
 
     def job_progress(self, job_id: str) -> str:
         """Hash of an offline job's progress: done, total, failed, rate, updated_at, state."""
         return self._k("job", job_id)
 
+    def reply(self, client_id: str) -> str:
+        return self._k("reply", client_id)
+
+    def lora_registry(self, model: str) -> str:
+        return self._k("lora", model)
+
+    def lora_file(self, model: str, name: str, content_hash: str) -> str:
+        return self._k("lorafile", model, name, content_hash)
+
+    # -- one shard -------------------------------------------------------------------------
+    def stream(self, model: str, priority: str = "high", shard: int = 0) -> str:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+        return self._tagged(model, shard, priority)
+
+    def streams(self, model: str, shards: int, priority: str | None = None) -> list[str]:
+        """Request streams of a model: every shard's interactive, then offline stream (or only
+        those of ``priority``)."""
+        kinds = PRIORITIES if priority is None else (priority,)
+        return [self.stream(model, p, s) for p in kinds for s in range(shards)]
+
+    def parse_stream(self, name: str | bytes) -> StreamName:
+        """Model, shard and priority of a request stream's name."""
+        text = name.decode() if isinstance(name, bytes) else name
+        m = _STREAM.search(text[len(self.prefix) + 1 :])
+        if not text.startswith(self.prefix + ":") or m is None:
+            raise ValueError(f"{text!r} is not a request stream of prefix {self.prefix!r}")
+        return StreamName(m["model"], int(m["shard"]), m["priority"])
+
+    def stats(self, model: str, shard: int) -> str:
+        return self._tagged(model, shard, "stats")
+
+    def result(self, model: str, shard: int, digest: str) -> str:
+        return self._tagged(model, shard, "res", digest)
+
+    def results(self, model: str) -> str:
+        """SCAN pattern of every cached result of ``model`` (all shards)."""
+        return self._k(f"{{{_glob_escape(model)}:*}}", "res", "*")
+
+    def digest_prefixes(self, model: str, shard: int) -> tuple[str, str, str]:
+        """Result, waiters and in-flight key names of ``shard`` without the digest: the
+        SUBMIT and FINISH scripts complete them (see ``shared.scripts``)."""
+        return (
+            self.result(model, shard, ""),
+            self.waiters(model, shard, ""),
+            self.inflight(model, shard, ""),
+        )
+
+    def waiters(self, model: str, shard: int, digest: str) -> str:
+        return self._tagged(model, shard, "wait", digest)
+
+    def inflight(self, model: str, shard: int, digest: str) -> str:
+        return self._tagged(model, shard, "fly", digest)
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
 
 def request_digest(
-    fingerprint: str, kind: str, token_ids: list[int], lora: str | None, params: bytes = b""
+    fingerprint: str, kind: str, ids: bytes, lora: str | None, params: bytes = b""
 ) -> str:
     """Content address of a request: equal inputs to the same model give the same digest.
 
-    ``params`` is the canonical encoding of kind-specific parameters (sampling settings, the
-    continuation of a score request); token ids are hashed as packed 32-bit integers.
+    ``ids`` are the token ids as packed little-endian 32-bit integers (their wire form, so
+    neither side converts them to hash them); ``params`` is the canonical encoding of
+    kind-specific parameters (sampling settings, the continuation of a score request).
     """
     h = hashlib.blake2b(digest_size=20)
     for part in (fingerprint, kind, lora or ""):
         h.update(part.encode())
         h.update(b"\x00")
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(ids)
     h.update(b"\x00")
     h.update(params)
     return h.hexdigest()
+
+
+if __name__ == "__main__":
+    print(key_table(), end="")

@@ -1,8 +1,11 @@
 """The wire protocol: typed messages, msgpack only, a protocol version in every message.
 
-A producer adds a :class:`Request` to a model's stream (field ``m``). A worker stores the
-encoded result under the request's content digest (the shared output cache) and pushes a
-:class:`Reply` onto the reply list of every producer waiting for that digest.
+A producer adds a :class:`Request` to a shard's stream (field ``m``, with the digest alone in
+field ``d`` so that even an undecodable message can be answered). A worker stores the encoded
+result under the request's content digest (the shared output cache) and pushes a small
+:class:`Reply` onto the reply list of every producer waiting for that digest: the result itself
+when it is small (samples, scores, errors), else only the digest, and the producer reads the
+result from the cache. A vocabulary-sized row thus enters Redis once and leaves it once.
 """
 
 from __future__ import annotations
@@ -12,37 +15,42 @@ from typing import Any, TypedDict
 import msgpack
 import torch
 
-from shared.codec import TensorDict, decode_tensor, encode_tensor
+from shared.codec import decode_tensor, encode_tensor
 from shared.errors import LMPoolError, ProtocolError, WireError, error_from_wire
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 KINDS = ("logprobs", "sample", "score", "cache_kv")
 MESSAGE_FIELD = b"m"
 """Stream entry field that holds the encoded request."""
-MAX_RESULT_BYTES = 1 << 30
+DIGEST_FIELD = b"d"
+"""Stream entry field that holds the request's digest, readable without decoding ``m``."""
+MAX_INLINE_RESULT_BYTES = 4096
+"""Results up to this size travel inside the reply; larger ones are read from the cache."""
+MAX_REPLY_BYTES = 1 << 20
+ID_BYTES = 4
+"""Token ids travel as little-endian 32-bit integers."""
 
 
 class Request(TypedDict):
-    """One request on a model's stream."""
+    """One request on a shard's stream."""
 
     v: int
     """Protocol version (``PROTOCOL_VERSION``)."""
     kind: str
     """``logprobs`` (next-token distribution), ``sample`` (a generation), ``score``, or
-    ``cache_kv`` (pin a prefix in the serving worker's KV cache; never cached in Redis)."""
+    ``cache_kv`` (pin or unpin a prefix in the serving worker's KV cache; never cached)."""
     digest: str
     """Content address of the result; the worker recomputes it and refuses a mismatch."""
-    ids: list[int]
-    """Prompt token ids."""
+    ids: bytes
+    """Prompt token ids, packed little-endian int32."""
     lora: str | None
     """LoRA adapter name, or None for the base model."""
     params: dict[str, Any]
     """Kind-specific parameters: ``sample``: max_tokens, eos, temperature, seed;
-    ``score``: cont (continuation token ids)."""
+    ``score``: cont (continuation token ids); ``cache_kv``: pin (bool)."""
     deadline_ms: int
-    """Unix time (ms) after which nobody waits for the answer: the worker skips it."""
-    client: str
-    """Producer connection id, for logs."""
+    """Time (ms, on the Redis server's clock) after which the asker no longer waits: a worker
+    drops the request unrun and answers ``Expired``."""
 
 
 class Reply(TypedDict, total=False):
@@ -53,7 +61,7 @@ class Reply(TypedDict, total=False):
     digest: str
     """Which request this answers."""
     result: bytes
-    """Encoded result (``encode_result``), present when the request succeeded."""
+    """The encoded result, when small; absent: read it from the digest's result key."""
     error: WireError
     """Present when the request failed."""
 
@@ -97,64 +105,73 @@ def encode_request(req: Request) -> bytes:
     return pack(req)
 
 
+def message_bytes(n_ids: int, params_bytes: int = 0) -> int:
+    """An upper bound of the encoded size of a request of ``n_ids`` tokens (for the producer's
+    size check before it builds one): the ids plus a generous allowance for the rest."""
+    return ID_BYTES * n_ids + params_bytes + 512
+
+
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "digest": str,
+    "ids": bytes,
+    "params": dict,
+    "deadline_ms": int,
+}
+
+
 def decode_request(data: bytes, max_bytes: int) -> Request:
     """Decode and type-check a request; every defect raises ``ProtocolError``."""
     obj = _check_version(_unpack(data, max_bytes), "request")
-    expected: dict[str, Any] = {
-        "kind": str,
-        "digest": str,
-        "ids": list,
-        "params": dict,
-        "deadline_ms": int,
-        "client": str,
-    }
-    for name, typ in expected.items():
+    for name, typ in _FIELDS.items():
         if not isinstance(obj.get(name), typ):
-            raise ProtocolError(f"request field {name!r} missing or not a {typ.__name__}")
+            raise ProtocolError(f"request field {name!r} missing or of the wrong type")
+    if len(obj["ids"]) % ID_BYTES:
+        raise ProtocolError(f"request ids of {len(obj['ids'])} bytes are not int32s")
     if obj.get("lora") is not None and not isinstance(obj["lora"], str):
         raise ProtocolError("request field 'lora' must be a string or nil")
     obj.setdefault("lora", None)
-    if set(obj) - set(Request.__annotations__):
-        raise ProtocolError(
-            f"unknown request fields {sorted(set(obj) - set(Request.__annotations__))}"
-        )
+    unknown = set(obj) - set(Request.__annotations__)
+    if unknown:
+        raise ProtocolError(f"unknown request fields {sorted(unknown)}")
     return obj  # type: ignore[return-value]
 
 
-def encode_result(tensor: torch.Tensor) -> bytes:
-    """Encoded result value: what the shared cache stores and replies carry."""
-    out: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": encode_tensor(tensor)}
-    return pack(out)
+def encode_result(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
+    """Encoded result value: what the shared cache stores (rows optionally in ``dtype``)."""
+    return encode_tensor(tensor, dtype)
 
 
 def decode_result(data: bytes) -> torch.Tensor:
-    obj = _check_version(_unpack(data, MAX_RESULT_BYTES), "result")
-    t: TensorDict = obj.get("t")  # type: ignore[assignment]
-    return decode_tensor(t)
+    """The result tensor: float16 / bfloat16 rows come back as float32."""
+    return decode_tensor(data)
 
 
 def encode_reply(digest: str, result: bytes | None = None, error: WireError | None = None) -> bytes:
+    """A reply: with an error, with a small result inline, or with neither (fetch it)."""
     reply: Reply = {"v": PROTOCOL_VERSION, "digest": digest}
     if error is not None:
         reply["error"] = error
-    else:
-        assert result is not None
+    elif result is not None and len(result) <= MAX_INLINE_RESULT_BYTES:
         reply["result"] = result
     return pack(reply)
 
 
-def decode_reply(data: bytes) -> tuple[str, bytes | LMPoolError]:
-    """``(digest, encoded result or the typed error)``."""
-    obj = _check_version(_unpack(data, MAX_RESULT_BYTES), "reply")
+def decode_reply(data: bytes) -> tuple[str, bytes | LMPoolError | None]:
+    """``(digest, outcome)``: the inline encoded result, the typed error, or None when the
+    result is to be read from the cache."""
+    obj = _check_version(_unpack(data, MAX_REPLY_BYTES), "reply")
     digest = obj.get("digest")
     if not isinstance(digest, str):
         raise ProtocolError("reply without a digest")
     if "error" in obj:
         err = obj["error"]
+        if not isinstance(err, dict):
+            raise ProtocolError("reply error must be a map")
         return digest, error_from_wire(str(err.get("code")), str(err.get("message")))
     result = obj.get("result")
-    if not isinstance(result, bytes):
-        raise ProtocolError("reply without a result")
+    if result is not None and not isinstance(result, bytes):
+        raise ProtocolError("reply result must be bytes")
     return digest, result
 
 

@@ -6,52 +6,92 @@ three heartbeat periods ahead. Readers need no knowledge of the workers' heartbe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from typing import Any
+from typing import Any, TypedDict
 
-from redis.asyncio import Redis
-
+from shared.errors import ProtocolError
 from shared.keys import Keys
 from shared.protocol import PROTOCOL_VERSION
+from shared.redis_conn import AnyRedis
 
-META_FIELDS = (
-    "name_or_path",
-    "fingerprint",
-    "vocab_size",
-    "max_length",
-    "eos_token_ids",
-    "bos_token_id",
-    "dtype",
-    "device",
-    "tokenizer_json",
-    "tokenizer_config",
-    "adapters",
-)
+
+class ModelMeta(TypedDict):
+    """A model's metadata (``Keys.meta``), published by its workers, read by producers and
+    the status command: everything a producer needs, so its host needs no model files."""
+
+    name_or_path: str
+    """What the worker loaded (``LMPOOL_MODEL``, or the bundled default's file name)."""
+    fingerprint: str
+    """Identity of the weights and compute dtype: part of every request digest."""
+    vocab_size: int
+    max_length: int
+    """The model's context length."""
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    dtype: str
+    device: str
+    tokenizer_json: str
+    """The fast tokenizer's own serialization (``tokenizer.json``)."""
+    tokenizer_config: dict[str, Any]
+    """Special tokens and the chat template beyond ``tokenizer_json``."""
+    adapters: list[str]
+    """LoRA adapters loaded at start-up (``LMPOOL_LORA``)."""
+    backend: str
+    max_queue: int
+    """Pool-wide: the longest request stream (SUBMIT refuses more)."""
+    shards: int
+    """Pool-wide: interactive streams per model."""
+    affinity_tokens: int
+    """Pool-wide: leading tokens that pick a prompt's shard."""
+    prompt_limit: int
+    """Longest prompt the workers take: producers refuse longer ones before sending."""
+    max_message_bytes: int
+    """Largest request message the workers decode: producers refuse larger ones."""
+    wire_dtype: str
+    """The dtype results travel in (callers always get float32)."""
+    protocol: int
+    """The workers' wire protocol version."""
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def live_workers(redis: Redis, keys: Keys, model: str) -> list[str]:
+async def live_workers(redis: AnyRedis, keys: Keys, model: str) -> list[str]:
     """Ids of the workers of ``model`` whose heartbeat has not lapsed."""
     ids = await redis.zrangebyscore(keys.workers(model), now_ms(), "+inf")
     return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
 
-async def read_meta(redis: Redis, keys: Keys, model: str) -> dict[str, Any] | None:
+async def read_meta(redis: AnyRedis, keys: Keys, model: str) -> ModelMeta | None:
     raw = await redis.hgetall(keys.meta(model))  # type: ignore[misc]
-    if not raw:
-        return None
-    meta = {k.decode(): v.decode() for k, v in raw.items()}
-    return {k: json.loads(v) for k, v in meta.items()}
+    return parse_meta(raw) if raw else None
 
 
-async def write_meta(redis: Redis, keys: Keys, model: str, meta: dict[str, Any]) -> None:
+def parse_meta(raw: dict[bytes, bytes]) -> ModelMeta:
+    """The metadata hash as written by :func:`write_meta` (JSON values); ``ProtocolError``
+    when it lacks a field (workers of another version) or speaks another protocol."""
+    meta = {k.decode(): json.loads(v) for k, v in raw.items()}
+    missing = set(ModelMeta.__annotations__) - set(meta)
+    if missing:
+        raise ProtocolError(
+            f"the model's metadata lacks {sorted(missing)}: its workers run another lmpool version"
+        )
+    if meta["protocol"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"the model's workers speak protocol {meta['protocol']}, this producer "
+            f"{PROTOCOL_VERSION}: upgrade the older side"
+        )
+    return meta  # type: ignore[return-value]
+
+
+async def write_meta(redis: AnyRedis, keys: Keys, model: str, meta: ModelMeta) -> None:
     fields = {k: json.dumps(v) for k, v in meta.items()}
-    fields["protocol"] = json.dumps(PROTOCOL_VERSION)
-    pipe = redis.pipeline(transaction=True)
+    # not a transaction: the keys live in different cluster slots; a reader that comes between
+    # the two finds no metadata and asks again
+    pipe = redis.pipeline(transaction=False)
     pipe.delete(keys.meta(model))
     pipe.hset(keys.meta(model), mapping=fields)
     pipe.sadd(keys.models, model)
@@ -59,7 +99,7 @@ async def write_meta(redis: Redis, keys: Keys, model: str, meta: dict[str, Any])
 
 
 async def heartbeat(
-    redis: Redis,
+    redis: AnyRedis,
     keys: Keys,
     model: str,
     worker_id: str,
@@ -76,13 +116,59 @@ async def heartbeat(
     await pipe.execute()
 
 
-async def unregister(redis: Redis, keys: Keys, model: str, worker_id: str) -> None:
+async def unregister(redis: AnyRedis, keys: Keys, model: str, worker_id: str) -> None:
     pipe = redis.pipeline(transaction=False)
     pipe.zrem(keys.workers(model), worker_id)
     pipe.delete(keys.worker(worker_id))
     await pipe.execute()
 
 
-async def worker_info(redis: Redis, keys: Keys, worker_id: str) -> dict[str, Any]:
+async def worker_info(redis: AnyRedis, keys: Keys, worker_id: str) -> dict[str, Any]:
     raw = await redis.hgetall(keys.worker(worker_id))  # type: ignore[misc]
     return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+# -- LoRA adapters added at run time ----------------------------------------------------------
+class AdapterEntry(TypedDict):
+    """A run-time adapter in the model's registry hash (``Keys.lora_registry``), by name."""
+
+    id: str
+    """``NAME@HASH``: the adapter as requests name it; ``HASH`` covers every file's content."""
+    files: dict[str, str]
+    """File name -> content hash; each file is stored under ``Keys.lora_file``."""
+    bytes: int
+    """Total size of the files."""
+
+
+def file_hash(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def adapter_entry(name: str, files: dict[str, bytes]) -> AdapterEntry:
+    """The registry entry of adapter ``name`` made of ``files`` (name -> content)."""
+    h = hashlib.blake2b(digest_size=8)
+    listing = {}
+    for fname in sorted(files):
+        listing[fname] = file_hash(files[fname])
+        h.update(fname.encode() + b"\0" + listing[fname].encode())
+    return {
+        "id": f"{name}@{h.hexdigest()}",
+        "files": listing,
+        "bytes": sum(map(len, files.values())),
+    }
+
+
+def parse_adapter(raw: bytes | str) -> AdapterEntry:
+    entry = json.loads(raw)
+    if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+        raise ValueError("malformed adapter registry entry")
+    return entry  # type: ignore[return-value]
+
+
+def is_runtime_adapter(adapter_id: str | None) -> bool:
+    """Run-time adapters travel as ``NAME@HASH``; static ones (``LMPOOL_LORA``) by name."""
+    return adapter_id is not None and "@" in adapter_id
+
+
+def adapter_name(adapter_id: str) -> str:
+    return adapter_id.split("@", 1)[0]

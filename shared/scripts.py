@@ -3,10 +3,13 @@
 SUBMIT (producer) and FINISH (worker) together guarantee that a waiting producer is answered
 exactly when its result exists. The worker SETs the result, then runs FINISH, which takes the
 digest's waiter set: a SUBMIT before the SET is in that set, one after it finds the result. A
-digest is queued once however many producers ask for it.
+digest is queued once however many producers ask for it. Each call handles a whole batch of one
+shard (every key it names carries the shard's hash tag), not one request.
 
-The result itself never passes through Lua: moving a 200 KB value in and out of a script costs
-Redis several times the CPU of a plain SET and RPUSH (``bench/reply_paths.py`` notes).
+On a single Redis, FINISH also pushes the replies (their lists are keys it does not declare,
+which a cluster refuses); on a cluster it returns the reply lists and the worker pushes them
+in its next pipeline. The result itself never passes through Lua: moving a 200 KB value in and
+out of a script costs Redis several times the CPU of a plain SET (``bench/reply_paths.py``).
 Scripts are called by SHA in pipelines (``Script.queue``) and loaded once, again on NOSCRIPT:
 redis-py's own Script objects add a ``SCRIPT EXISTS`` round trip to every pipeline.
 """
@@ -18,36 +21,79 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 SUBMIT = """
--- KEYS: result, waiters, inflight, stream, stats
--- ARGV: reply list, message, waiter ttl ms, inflight ttl ms, max queue
-local r = redis.call('GET', KEYS[1])
-if r then
-  redis.call('HINCRBY', KEYS[5], 'cache_hits', 1)
-  return {1, r}
-end
-redis.call('SADD', KEYS[2], ARGV[1])
-if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
-if redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[4]) then
-  if redis.call('XLEN', KEYS[4]) >= tonumber(ARGV[5]) then
-    redis.call('DEL', KEYS[3])
-    redis.call('SREM', KEYS[2], ARGV[1])
-    redis.call('HINCRBY', KEYS[5], 'rejected', 1)
-    return {2}
+-- One call per shard for every request a producer sends on one event-loop tick.
+-- KEYS: the shard's stats hash, its stream. The digests' own keys are named inside: every key
+-- of a shard carries the shard's hash tag, so they share the declared keys' slot.
+-- ARGV: result, waiters and in-flight key prefixes (a digest completes each), reply list,
+--       waiter ttl ms, in-flight ttl ms, max queue, then per request: digest, force, message
+--       (force 1: add the message even if the digest is marked in flight: a re-submission
+--       of a request whose message Redis may have lost, in a restart or a failover)
+-- Returns one code per request: 1 the result exists, 0 queued or joined, 2 the queue is full.
+local res, wait, fly = ARGV[1], ARGV[2], ARGV[3]
+local reply, wttl, fttl, maxq = ARGV[4], tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local out = {}
+local hits, queued, joined, rejected = 0, 0, 0, 0
+local len = nil
+for i = 8, #ARGV, 3 do
+  local d = ARGV[i]
+  local w, f = wait .. d, fly .. d
+  local code = 0
+  if redis.call('EXISTS', res .. d) == 1 then
+    hits = hits + 1
+    code = 1
+  else
+    redis.call('SADD', w, reply)
+    if redis.call('PTTL', w) < wttl then redis.call('PEXPIRE', w, wttl) end
+    local first = redis.call('SET', f, '1', 'NX', 'PX', fttl)
+    if first or ARGV[i + 1] == '1' then
+      if len == nil then len = redis.call('XLEN', KEYS[2]) end
+      if len >= maxq then
+        if first then redis.call('DEL', f) end
+        redis.call('SREM', w, reply)
+        rejected = rejected + 1
+        code = 2
+      else
+        redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2], 'd', d)
+        len = len + 1
+        queued = queued + 1
+      end
+    else
+      redis.call('PEXPIRE', f, fttl, 'GT')
+      joined = joined + 1
+    end
   end
-  redis.call('XADD', KEYS[4], '*', 'm', ARGV[2])
-  redis.call('HINCRBY', KEYS[5], 'queued', 1)
-  return {0, 1}
+  out[#out + 1] = code
 end
-redis.call('PEXPIRE', KEYS[3], ARGV[4], 'GT')
-redis.call('HINCRBY', KEYS[5], 'joined', 1)
-return {0, 0}
+if hits > 0 then redis.call('HINCRBY', KEYS[1], 'cache_hits', hits) end
+if queued > 0 then redis.call('HINCRBY', KEYS[1], 'queued', queued) end
+if joined > 0 then redis.call('HINCRBY', KEYS[1], 'joined', joined) end
+if rejected > 0 then redis.call('HINCRBY', KEYS[1], 'rejected', rejected) end
+return out
 """
 
 FINISH = """
--- KEYS: waiters, inflight. Run after the result (if any) is SET. Returns the reply lists.
-local ws = redis.call('SMEMBERS', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
-return ws
+-- One call per shard for a batch of finished digests, run after their results are SET.
+-- KEYS: the shard's stats hash (for its slot; the digests' keys share it, see SUBMIT)
+-- ARGV: push (1: push each reply here; 0: return the reply lists), reply ttl ms, waiters and
+--       in-flight key prefixes, then per digest: digest, reply
+-- Takes each digest's waiter set: a SUBMIT before the SET is in it, one after finds the result.
+local push, ttl, wait, fly = ARGV[1] == '1', ARGV[2], ARGV[3], ARGV[4]
+local out = {}
+for i = 5, #ARGV, 2 do
+  local w = wait .. ARGV[i]
+  local ws = redis.call('SMEMBERS', w)
+  redis.call('DEL', w, fly .. ARGV[i])
+  if push then
+    for _, r in ipairs(ws) do
+      redis.call('RPUSH', r, ARGV[i + 1])
+      redis.call('PEXPIRE', r, ttl)
+    end
+    out[#out + 1] = #ws
+  else
+    out[#out + 1] = ws
+  end
+end
+return out
 """
 
 
@@ -59,7 +105,9 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
+        # execute_command: redis-py's cluster pipeline refuses its evalsha method (it routes
+        # EVALSHA by its first key all the same)
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     async def load(self, redis: Any) -> None:
         await redis.script_load(self.source)
@@ -89,6 +137,16 @@ async def execute(
             continue
         return results
     raise AssertionError("unreachable")
+
+
+async def run_script(redis: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """One script call outside a pipeline (cheaper for a single command); loads it on
+    NOSCRIPT."""
+    try:
+        return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        await script.load(redis)
+        return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 SUBMIT_SCRIPT = Script(SUBMIT)

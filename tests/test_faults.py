@@ -13,16 +13,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 import torch
 
 from producer import RemoteLM
-from shared.errors import DeadLettered, QueueFull
+from shared import protocol
+from shared.errors import DeadLettered, InvalidRequest, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
 from shared.redis_server import RedisServer
+from shared.scripts import SUBMIT_SCRIPT
 from shared.settings import Settings
 from worker.backends.mock import MockBackend
 
@@ -43,7 +45,7 @@ def pending_count(url: str) -> int:
         total = 0
         for stream in STREAMS:
             if r.exists(stream):
-                total += int(r.xpending(stream, GROUP)["pending"])
+                total += int(cast("dict[str, Any]", r.xpending(stream, GROUP))["pending"])
         return total
     finally:
         r.close()
@@ -81,7 +83,8 @@ async def test_redis_restart_with_aof_mid_load_loses_nothing(
     workers: Callable[..., Any], tmp_path: Any
 ) -> None:
     with RedisServer(appendonly=True) as server:
-        workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=20)
+        # 19 batches of 16 at ~50 ms: about a second of work, restarted half-way
+        workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=50)
         prompts = [[i % 256, 3, i // 256] for i in range(300)]
         async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=120) as lm:
             tasks = [asyncio.create_task(lm.next_token_logprobs(p)) for p in prompts]
@@ -110,16 +113,16 @@ async def test_poison_prompt_is_dead_lettered_and_its_producer_told(
         # one batch: the poison kills the worker with its innocent batch mate in hand
         poison = asyncio.create_task(lm.next_token_logprobs([1, 13]))
         innocent = asyncio.create_task(lm.next_token_logprobs([1, 2]))
-        assert await asyncio.to_thread(first.proc.wait, 30) == 70  # type: ignore[union-attr]
+        assert await asyncio.to_thread(first.proc.wait, 30) == 70
         second = workers(redis_url, **common)  # reclaims them one by one; the poison kills it
-        assert await asyncio.to_thread(second.proc.wait, 30) == 70  # type: ignore[union-attr]
+        assert await asyncio.to_thread(second.proc.wait, 30) == 70
         workers(redis_url, **common)  # sees 2 deliveries: dead-letters it, answers the other
         with pytest.raises(DeadLettered, match="delivered 2 times"):
             await poison
         assert torch.equal(await innocent, reference([1, 2]))
         assert torch.equal(await lm.next_token_logprobs([2, 2]), reference([2, 2]))
     r = redis.Redis.from_url(redis_url)
-    dead = r.xrange(KEYS.dead(MODEL))
+    dead = cast("list[tuple[bytes, dict[bytes, bytes]]]", r.xrange(KEYS.dead(MODEL)))
     r.close()
     assert len(dead) == 1 and b"delivered 2 times" in dead[0][1][b"reason"]
     assert pending_count(redis_url) == 0
@@ -167,6 +170,52 @@ async def test_malformed_messages_are_dead_lettered_and_the_worker_carries_on(
 
 
 @pytest.mark.asyncio
+async def test_a_dead_lettered_request_answers_its_waiters_and_keeps_little(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A producer of another version sends a 1.6 MB message (beyond the worker's
+    LMPOOL_MAX_MESSAGE_BYTES) through the SUBMIT script: its waiter is told why at once, and
+    the dead letter keeps 4 KiB of the message, not all of it."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    r = redis.Redis.from_url(redis_url)
+    digest, reply = "ab" * 20, KEYS.reply("old-producer")
+    prefixes = KEYS.digest_prefixes(MODEL, 0)
+    huge = b"\x00" * 1_600_000
+    SUBMIT_SCRIPT.load_sync(r)
+    code = r.execute_command(
+        "EVALSHA", SUBMIT_SCRIPT.sha, 2, KEYS.stats(MODEL, 0), KEYS.stream(MODEL, "high", 0),
+        *prefixes, reply, 60_000, 60_000, 1000, digest, 0, huge,
+    )  # fmt: skip
+    assert code == [0]
+    popped = cast("tuple[bytes, bytes] | None", r.blpop([reply], timeout=10))
+    assert popped is not None, "the waiter of a dead-lettered request was never answered"
+    got_digest, outcome = protocol.decode_reply(popped[1])
+    assert got_digest == digest
+    assert isinstance(outcome, ProtocolError) and "exceeds the limit of 1048576" in str(outcome)
+    ((_, fields),) = cast("list[tuple[bytes, dict[bytes, bytes]]]", r.xrange(KEYS.dead(MODEL)))
+    assert len(fields[b"m"]) == 4096 and int(fields[b"size"]) == len(huge)
+    assert pending_count(redis_url) == 0
+    r.close()
+
+
+@pytest.mark.asyncio
+async def test_too_long_prompts_fail_at_the_producer_at_once(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    workers(redis_url, backend="mock", mock_vocab_size=V, max_message_bytes=4096)
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
+        started = time.monotonic()
+        with pytest.raises(InvalidRequest, match="1600000 tokens exceeds the limit of 65536"):
+            await lm.next_token_logprobs(list(range(8)) * 200_000)
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(InvalidRequest, match="LMPOOL_MAX_MESSAGE_BYTES=4096"):
+            await lm.next_token_logprobs([1] * 2000)
+        with pytest.raises(InvalidRequest, match="exceeds the limit"):
+            lm.next_token_logprobs_sync([1] * 100_000)
+        assert torch.equal(await lm.next_token_logprobs([1] * 500), reference([1] * 500))
+
+
+@pytest.mark.asyncio
 async def test_a_full_queue_rejects_new_requests_clearly(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
@@ -194,7 +243,7 @@ async def test_in_flight_requests_are_bounded_per_producer(
     async with await RemoteLM.connect(model=MODEL, settings=settings) as lm:
         task = asyncio.gather(*(lm.next_token_logprobs([i, 2]) for i in range(40)))
         while not task.done():
-            seen.append(sum(r.xlen(s) for s in STREAMS))
+            seen.append(sum(cast(int, r.xlen(s)) for s in STREAMS))
             await asyncio.sleep(0.01)
         await task
     r.close()
@@ -240,16 +289,57 @@ async def test_key_count_returns_to_baseline_after_producers_vanish(
     )  # fmt: skip
     r = redis.Redis.from_url(redis_url)
     async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
-        await lm.next_token_logprobs([1, 1])  # creates the model's persistent counters
-    await wait_until(lambda: not list(r.scan_iter("lmpool:res:*")), 10, "the warm-up to expire")
-    baseline = set(r.keys())
+        await lm.next_token_logprobs([1, 1])
+        shards = lm._client.settings.shards
+    await wait_until(
+        lambda: not list(r.scan_iter(Keys().results(MODEL))), 10, "the warm-up to expire"
+    )
+
+    def keys_now() -> set[bytes]:
+        return set(cast("list[bytes]", r.keys()))
+
+    # the per-shard counters are the only keys meant to last (a bounded number per model)
+    baseline = keys_now() | {Keys().stats(MODEL, s).encode() for s in range(shards)}
     proc = subprocess.Popen(
         [sys.executable, "-c", PRODUCER_SCRIPT, redis_url, MODEL], stdout=subprocess.PIPE
     )
     assert proc.stdout is not None
     assert (await asyncio.to_thread(proc.stdout.readline)).strip() == b"submitted"
-    assert len(set(r.keys()) - baseline) > 10
+    assert len(keys_now() - baseline) > 10
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    await wait_until(lambda: set(r.keys()) <= baseline, 30, "keys to expire")
+    await wait_until(lambda: keys_now() <= baseline, 30, "keys to expire")
     r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_past_its_deadline_costs_no_compute(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A request whose asker gave up is dropped unrun (``Expired``); another asker of the same
+    prompt with more time left has it submitted again and gets the answer."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=400, max_batch=1)
+    async with (
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=0.25) as hasty,
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=30) as patient,
+    ):
+        blocker = asyncio.create_task(patient.next_token_logprobs([1, 1]))
+        await w.wait_counter("rows", 0)
+        await asyncio.sleep(0.05)  # the blocker is read first
+        with pytest.raises(RequestTimeout):
+            await hasty.next_token_logprobs([2, 2])  # queued behind 400 ms of work
+        assert torch.equal(await blocker, reference([1, 1]))
+        await w.wait_counter("errors", 1)  # the expired one, answered Expired
+        assert await w.wait_counter("rows", 1) == 1, "the expired request must not run"
+        # the same prompt, asked by both: the message carries the hasty deadline
+        both = asyncio.gather(
+            patient.next_token_logprobs([1, 1, 1]),  # busy the worker again
+            hasty.next_token_logprobs([3, 3]),
+            patient.next_token_logprobs([3, 3]),
+            return_exceptions=True,
+        )
+        blocked, hasty_row, patient_row = await both
+    assert isinstance(hasty_row, RequestTimeout)
+    assert isinstance(patient_row, torch.Tensor) and isinstance(blocked, torch.Tensor)
+    assert torch.equal(patient_row, reference([3, 3]))
+    assert torch.equal(blocked, reference([1, 1, 1]))

@@ -55,7 +55,8 @@ def test_sample_follows_the_seeded_rule(backend: HFBackend) -> None:
     """The KV-cached generation draws what genlm-backend's loop would draw."""
     out = backend.sample([3, 4], 6, [319], 0.7, 5, None)
     g = torch.Generator().manual_seed(5)
-    ids, expect = [3, 4], []
+    ids: list[int] = [3, 4]
+    expect: list[int] = []
     for _ in range(6):
         t = draw(single(backend, ids + expect), 0.7, g)
         if t == 319:
@@ -64,20 +65,21 @@ def test_sample_follows_the_seeded_rule(backend: HFBackend) -> None:
     assert out == expect
 
 
-def test_check_prompt_rejects_bad_ids(backend: HFBackend) -> None:
-    for bad in ([], [320], [-1], [1.0]):
-        with pytest.raises(InvalidRequest):
-            backend.check_prompt(bad, None, 0)  # type: ignore[arg-type]
+def test_check_prompt_rejects_bad_prompts(backend: HFBackend) -> None:
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        backend.check_prompt(0, None, 0)
     with pytest.raises(InvalidRequest, match="exceeds the limit of 4"):
-        backend.check_prompt([1] * 5, None, 4)
+        backend.check_prompt(5, None, 4)
+    with pytest.raises(InvalidRequest, match=f"exceeds the limit of {backend.info.max_length}"):
+        backend.check_prompt(backend.info.max_length + 1, None, 0)
 
 
 def test_cpu_attention_reads_grouped_heads_in_place(tiny_llama: Path) -> None:
-    """On the CPU the backend's models use worker.backends.attention, which equals
+    """On the CPU the backend's models use worker.backends.hf.attention, which equals
     transformers' own SDPA (grouped heads copied) on masked grouped-query batches (<= 1e-6)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from worker.backends import attention
+    from worker.backends.hf import attention
 
     b = HFBackend(Settings(model=str(tiny_llama), device="cpu", kv_cache_mb=0))
     assert b.model.config._attn_implementation == attention.NAME

@@ -1,4 +1,5 @@
-"""worker.kv_cache through HFBackend on a tiny random Llama: exact results, reuse, bytes, pins.
+"""worker.backends.hf.kv_cache through HFBackend on a tiny random Llama: exact results, reuse,
+bytes, pins.
 
 Every cached result is compared with the no-cache path (``kv_cache_mb=0``) at 1e-4 (float32).
 """
@@ -16,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
 from worker.backends.hf import HFBackend
-from worker.kv_cache import SHARE_MIN_TOKENS, KVCache
+from worker.backends.hf.kv_cache import SHARE_MIN_TOKENS, KVCache
 
 VOCAB = 1000
 ATOL = 1e-4

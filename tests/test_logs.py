@@ -24,7 +24,7 @@ async def test_json_logs_carry_request_digests(redis_url: str, workers: Callable
     await w.wait_counter("requests", 1)
     w.stop()
     records = [json.loads(line) for line in w.log().splitlines() if line.startswith("{")]
-    batches = [r for r in records if r["message"].startswith("batch of 1 entries")]
+    batches = [r for r in records if r["message"].startswith("answered 1 entries")]
     assert batches, w.log()
     assert list(batches[0]["requests"].values()) == ["computed"]
     assert len(next(iter(batches[0]["requests"]))) == 40  # the full request digest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from poolkit import reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from producer import RemoteLM
+from producer.adapters import RESOLVE_TTL_S
 from shared.errors import UnknownAdapter
 
 peft = pytest.importorskip("peft")
@@ -62,3 +64,66 @@ async def test_requests_pick_their_adapter(
     )
     assert torch.allclose(a_score, expect, atol=1e-5)
     assert await w.wait_counter("rows", 4) == 4  # three cache keys of one prompt, plus the score
+
+
+@pytest.mark.asyncio
+async def test_adapters_added_at_run_time_serve_the_whole_pool(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """add_new_lora on one producer: every worker loads it on first use, every producer can
+    use it, a replacement under the same name is never answered from the old one's cache,
+    and remove_lora unloads it everywhere."""
+    a = build_adapter(tiny_llama, tmp_path / "a", 1)
+    b = build_adapter(tiny_llama, tmp_path / "b", 2)
+    w = workers(redis_url, model=str(tiny_llama), max_batch=8, heartbeat_s=0.2)
+    ids = [5, 6, 7, 8]
+    model = str(tiny_llama)
+    async with (
+        await RemoteLM.connect(redis_url, model=model) as one,
+        await RemoteLM.connect(redis_url, model=model) as two,
+    ):
+        with pytest.raises(UnknownAdapter):
+            await one.next_token_logprobs(ids, lora_name="mine")
+        assert (await one.add_new_lora(a, "mine")).startswith("mine@")
+        got = await two.next_token_logprobs(ids, lora_name="mine")  # the other producer
+        assert (got - reference(tiny_llama, a, ids)).abs().max() <= 1e-5
+        score = await one.score(ids[:2], ids[2:], lora_name="mine")
+        assert torch.allclose(score[0], reference(tiny_llama, a, ids[:2])[ids[2]], atol=1e-5)
+        await wait_for_adapters(w, loaded=True)
+        # the same name, other weights: a new id, so no cache answers with the old rows; the
+        # producer that replaced it sees that at once, others within RESOLVE_TTL_S
+        await one.add_new_lora(b, "mine")
+        replaced = await one.next_token_logprobs(ids, lora_name="mine")
+        assert (replaced - reference(tiny_llama, b, ids)).abs().max() <= 1e-5
+        await asyncio.sleep(RESOLVE_TTL_S)
+        assert torch.equal(await two.next_token_logprobs(ids, lora_name="mine"), replaced)
+        await two.remove_lora("mine")
+        with pytest.raises(UnknownAdapter, match="mine"):
+            await one.next_token_logprobs([9, 9], lora_name="mine")
+        with pytest.raises(UnknownAdapter):
+            await one.remove_lora("mine")
+        await wait_for_adapters(w, loaded=False)  # unloaded at the worker's next heartbeat
+        assert torch.equal(await one.next_token_logprobs(ids), await two.next_token_logprobs(ids))
+
+
+async def wait_for_adapters(w: Any, loaded: bool, timeout_s: float = 10) -> None:
+    """Until the worker's heartbeat lists a run-time adapter (or none)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any("@" in a for a in w.info().get("adapters") or []) == loaded:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run-time adapters never {'loaded' if loaded else 'unloaded'}")
+
+
+def test_adapter_uploads_are_checked_before_sending(tmp_path: Path, tiny_llama: Path) -> None:
+    from producer.adapters import adapter_files
+
+    with pytest.raises(ValueError, match=r"no adapter_config\.json"):
+        adapter_files(tmp_path, 1 << 20)
+    a = build_adapter(tiny_llama, tmp_path / "a", 1)
+    with pytest.raises(ValueError, match="LMPOOL_MAX_LORA_MB"):
+        adapter_files(a, 100)
+    (a / "adapter_model.safetensors").rename(a / "adapter_model.bin")
+    with pytest.raises(ValueError, match="pickled"):
+        adapter_files(a, 1 << 30)

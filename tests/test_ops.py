@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -58,7 +58,7 @@ async def test_status_and_metrics_on_a_live_pool(
     worker = model["workers"][0]
     assert worker["backend"] == "mock" and worker["device"] == "cpu" and worker["max_batch"] == 16
     assert worker["rows"] == 20
-    assert len(model["streams"]) == 5  # four interactive shards and the offline stream
+    assert len(model["streams"]) == 8  # four shards, each with an interactive and offline stream
     assert all(s == {"length": 0, "pending": 0} for s in model["streams"].values())
     assert worker["shards"] == [0, 1, 2, 3]  # the only worker owns every shard
     assert model["dead_letters"] == 1
@@ -92,12 +92,16 @@ async def test_offline_work_does_not_starve_interactive_requests(
         await RemoteLM.connect(redis_url, model=MODEL) as interactive,
     ):
         batch = asyncio.gather(*(offline.next_token_logprobs([i, 2, 2]) for i in range(200)))
-        while r.xlen(keys.stream(MODEL, "low")) < 150:
+
+        def offline_queued() -> int:
+            return sum(cast(int, r.xlen(s)) for s in keys.streams(MODEL, 4, "low"))
+
+        while offline_queued() < 150:
             await asyncio.sleep(0.01)
         started = time.monotonic()
         await interactive.next_token_logprobs([7, 7, 7])
         waited = time.monotonic() - started
-        left = r.xlen(keys.stream(MODEL, "low"))
+        left = offline_queued()
         await batch
     r.close()
     assert left > 100, "the interactive request went ahead of the offline queue"

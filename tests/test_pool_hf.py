@@ -72,5 +72,6 @@ async def test_default_model_through_the_pool(redis_url: str, workers: Callable[
             assert (row - reference_logprobs(model, ids)).abs().max().item() <= 2e-4
         assert lm.tokenizer.decode([int(rows[0].argmax())]) == " Paris"
         assert lm.byte_vocab[int(rows[0].argmax())] == b" Paris"
+        assert lm.tokenizer._tokenizer is not None
         bpe = lm.tokenizer._tokenizer.model  # genlm-control reads the BPE merges
         assert type(bpe).__name__ == "BPE"

@@ -1,4 +1,5 @@
-"""The whole request path with the mock backend: real Redis, real worker processes."""
+"""The whole request path with the mock backend: real worker processes on a real Redis, each
+test run on a single server and on a Redis Cluster (3 masters, 3 replicas)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis
 import torch
 
 from producer import RemoteLM
 from shared.errors import InvalidRequest, NoWorker, RequestTimeout
+from shared.keys import Keys
+from shared.redis_conn import connect_redis_sync
 from worker.backends.mock import MockBackend
 
 V = 300
@@ -24,13 +26,13 @@ def reference(ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture
-def mock_worker(redis_url: str, workers: Callable[..., Any]) -> Any:
-    return workers(redis_url, backend="mock", mock_vocab_size=V)
+def mock_worker(any_redis_url: str, workers: Callable[..., Any]) -> Any:
+    return workers(any_redis_url, backend="mock", mock_vocab_size=V)
 
 
 @pytest.mark.asyncio
-async def test_logprobs_equal_in_process_backend(redis_url: str, mock_worker: Any) -> None:
-    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+async def test_logprobs_equal_in_process_backend(any_redis_url: str, mock_worker: Any) -> None:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
         got = await lm.next_token_logprobs([1, 2, 3])
         assert got.shape == (V,)
         assert torch.equal(got, reference([1, 2, 3]))
@@ -42,8 +44,8 @@ async def test_logprobs_equal_in_process_backend(redis_url: str, mock_worker: An
 
 
 @pytest.mark.asyncio
-async def test_sync_forms_with_a_running_loop(redis_url: str, mock_worker: Any) -> None:
-    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+async def test_sync_forms_with_a_running_loop(any_redis_url: str, mock_worker: Any) -> None:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
         one = lm.next_token_logprobs_sync([10, 11])
         many = lm.batch_next_token_logprobs_sync([[10, 11], [12]])
         assert torch.equal(one, reference([10, 11]))
@@ -53,8 +55,8 @@ async def test_sync_forms_with_a_running_loop(redis_url: str, mock_worker: Any) 
 
 
 @pytest.mark.asyncio
-async def test_producer_needs_no_model_files(redis_url: str, mock_worker: Any) -> None:
-    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+async def test_producer_needs_no_model_files(any_redis_url: str, mock_worker: Any) -> None:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
         assert lm.tokenizer.encode("hé") == [104, 195, 169]
         assert lm.tokenizer.eos_token_id == V - 1
         assert lm.eos_token_ids == [V - 1]
@@ -65,10 +67,11 @@ async def test_producer_needs_no_model_files(redis_url: str, mock_worker: Any) -
 
 @pytest.mark.asyncio
 async def test_bad_input_is_a_clear_error_and_the_worker_carries_on(
-    redis_url: str, mock_worker: Any
+    any_redis_url: str, mock_worker: Any
 ) -> None:
-    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
-        for bad in ([], [V], [-1], [1.5], ["a"], [True]):
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
+        bad_prompts: list[Any] = [[], [V], [-1], [1.5], ["a"], [True]]  # mistyped on purpose
+        for bad in bad_prompts:
             with pytest.raises(InvalidRequest):
                 await lm.next_token_logprobs(bad)
         with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'nope'"):
@@ -80,9 +83,9 @@ async def test_bad_input_is_a_clear_error_and_the_worker_carries_on(
 
 @pytest.mark.asyncio
 async def test_sampling_is_seeded_and_scoring_matches_logprobs(
-    redis_url: str, mock_worker: Any
+    any_redis_url: str, mock_worker: Any
 ) -> None:
-    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
         a = await lm.sample([1, 2], 20, [V - 1], seed=7)
         lm.clear_cache()
         b = await lm.sample([1, 2], 20, [V - 1], seed=7)
@@ -95,16 +98,16 @@ async def test_sampling_is_seeded_and_scoring_matches_logprobs(
 
 
 @pytest.mark.asyncio
-async def test_connect_without_worker_names_the_model(redis_url: str) -> None:
+async def test_connect_without_worker_names_the_model(any_redis_url: str) -> None:
     with pytest.raises(NoWorker, match="mock-300"):
-        await RemoteLM.connect(redis_url, model=MODEL, connect_timeout_s=0.3)
+        await RemoteLM.connect(any_redis_url, model=MODEL, connect_timeout_s=0.3)
 
 
 @pytest.mark.asyncio
 async def test_timeout_when_the_worker_is_gone_names_queue_state(
-    redis_url: str, mock_worker: Any
+    any_redis_url: str, mock_worker: Any
 ) -> None:
-    lm = await RemoteLM.connect(redis_url, model=MODEL, timeout_s=1.0)
+    lm = await RemoteLM.connect(any_redis_url, model=MODEL, timeout_s=1.0)
     mock_worker.kill()
     with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s.*interactive queue 1"):
         await lm.next_token_logprobs([42, 43])
@@ -113,13 +116,13 @@ async def test_timeout_when_the_worker_is_gone_names_queue_state(
 
 @pytest.mark.asyncio
 async def test_two_workers_two_producers_many_requests_each_computed_once(
-    redis_url: str, workers: Callable[..., Any]
+    any_redis_url: str, workers: Callable[..., Any]
 ) -> None:
-    pool = [workers(redis_url, backend="mock", mock_vocab_size=V) for _ in range(2)]
+    pool = [workers(any_redis_url, backend="mock", mock_vocab_size=V) for _ in range(2)]
     while not all(len(w.info().get("shards", [])) == 2 for w in pool):
         await asyncio.sleep(0.05)  # leases settle: each worker owns two of the four shards
     distinct = [[i % 250, i // 250, 7] for i in range(240)]
-    lms = [await RemoteLM.connect(redis_url, model=MODEL) for _ in range(2)]
+    lms = [await RemoteLM.connect(any_redis_url, model=MODEL) for _ in range(2)]
     # Each producer asks every distinct prompt, some twice, all at once.
     asks = [(lm, ids) for lm in lms for ids in distinct + distinct[:40]]
     results = await asyncio.gather(*(lm.next_token_logprobs(ids) for lm, ids in asks))
@@ -136,30 +139,30 @@ async def test_two_workers_two_producers_many_requests_each_computed_once(
 
 @pytest.mark.asyncio
 async def test_shared_cache_serves_a_second_producer_without_the_queue(
-    redis_url: str, mock_worker: Any
+    any_redis_url: str, mock_worker: Any
 ) -> None:
-    async with await RemoteLM.connect(redis_url, model=MODEL) as a:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as a:
         first = await a.next_token_logprobs([9, 9, 9])
     assert await mock_worker.wait_counter("requests", 1) == 1
-    async with await RemoteLM.connect(redis_url, model=MODEL) as b:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as b:
         assert torch.equal(await b.next_token_logprobs([9, 9, 9]), first)
         await b.next_token_logprobs([9, 9])  # a new prompt: the worker sees exactly this one
     assert await mock_worker.wait_counter("requests", 2) == 2
     await asyncio.sleep(0.5)
     assert mock_worker.info()["requests"] == 2
-    r = redis.Redis.from_url(redis_url)
-    assert len(list(r.scan_iter(f"lmpool:res:{MODEL}:*"))) == 2
-    async with await RemoteLM.connect(redis_url, model=MODEL) as c:
+    r = connect_redis_sync(any_redis_url)
+    assert len(list(r.scan_iter(Keys().results(MODEL)))) == 2
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as c:
         assert await c.clear_shared_cache() == 2
-        assert not list(r.scan_iter(f"lmpool:res:{MODEL}:*"))
+        assert not list(r.scan_iter(Keys().results(MODEL)))
         assert torch.equal(await c.next_token_logprobs([9, 9]), reference([9, 9]))
     assert await mock_worker.wait_counter("requests", 3) == 3  # computed again
     r.close()
 
 
-def test_sync_use_without_an_event_loop(redis_url: str, mock_worker: Any) -> None:
+def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:
     """A plain script: connect with asyncio.run, then only blocking calls."""
-    lm = asyncio.run(RemoteLM.connect(redis_url, model=MODEL))
+    lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL))
     assert torch.equal(lm.next_token_logprobs_sync([1, 2]), reference([1, 2]))
     rows = lm.batch_next_token_logprobs_sync([[3], [4, 5], [3]])
     assert torch.equal(rows[2], reference([3])) and torch.equal(rows[1], reference([4, 5]))

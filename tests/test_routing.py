@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from producer import RemoteLM
-from shared.routing import shard_of
+from producer.remote_lm import token_array
+from producer.routing import shard_of
 from worker.backends.mock import MockBackend
 
 V = 300
@@ -25,13 +26,18 @@ def reference(ids: list[int]) -> torch.Tensor:
     return MockBackend(V).logprobs([ids], None)[0]
 
 
+def packed(ids: list[int]) -> bytes:
+    return token_array(ids, 1 << 20).tobytes()
+
+
 def test_shard_choice() -> None:
     prompt = list(range(40))
-    assert shard_of(prompt, 1, 32) == 0
+    assert shard_of(packed(prompt), 1, 32) == 0
     # the first 32 tokens decide: a longer prompt with the same head stays on its shard
-    assert shard_of(prompt, 8, 32) == shard_of([*prompt, 7, 7, 7], 8, 32)
-    assert shard_of([1], 8, 32, affinity="run-1") == shard_of([2, 3], 8, 32, affinity="run-1")
-    spread = Counter(shard_of([i, i + 1], 8, 32) for i in range(800))
+    assert shard_of(packed(prompt), 8, 32) == shard_of(packed([*prompt, 7, 7, 7]), 8, 32)
+    by_key = shard_of(packed([1]), 8, 32, affinity="run-1")
+    assert by_key == shard_of(packed([2, 3]), 8, 32, affinity="run-1")
+    spread = Counter(shard_of(packed([i, i + 1]), 8, 32) for i in range(800))
     assert set(spread) == set(range(8)) and min(spread.values()) > 50
 
 

@@ -221,7 +221,7 @@ async def test_arq_job_scores_the_file_and_reports_progress(redis_url: str, tmp_
     from arq.connections import RedisSettings
     from arq.jobs import Job
 
-    from producer.score import _packb, _unpackb
+    from producer.scoring.job import pack_job, unpack_job
 
     n = 200
     inp = write_jsonl(tmp_path / "in.jsonl", [{"ids": prompt(i)} for i in range(n)])
@@ -229,12 +229,12 @@ async def test_arq_job_scores_the_file_and_reports_progress(redis_url: str, tmp_
     job_id = await enqueue_score_file(redis_url, inp, out, mode="logprobs", top_k=4)
     arq = await create_pool(
         RedisSettings.from_dsn(redis_url),
-        job_serializer=_packb,
-        job_deserializer=_unpackb,
+        job_serializer=pack_job,
+        job_deserializer=unpack_job,
         default_queue_name=Keys().arq_queue,
     )
     try:
-        job = Job(job_id, arq, _queue_name=Keys().arq_queue, _deserializer=_unpackb)
+        job = Job(job_id, arq, _queue_name=Keys().arq_queue, _deserializer=unpack_job)
         result = await job.result(timeout=60, poll_delay=0.1)
     finally:
         await arq.aclose()

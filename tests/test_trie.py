@@ -1,4 +1,4 @@
-"""shared.trie* against genlm-backend 0.3.1's tries: same nodes, same edges, same weights.
+"""producer.tokenization's tries against genlm-backend 0.3.1's: same nodes, edges and weights.
 
 genlm-control walks ``root``/``children``/``word2leaf`` of whatever trie it gets, so the layout
 must match node for node, not just the weights. Weights are compared at rtol 1e-5.
@@ -6,8 +6,10 @@ must match node for node, not just the weights. Weights are compared at rtol 1e-
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,11 +22,11 @@ from genlm.backend.trie import TokenCharacterTrie as GenlmTrie
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import shared.trie
-from shared.trie import TokenCharacterTrie, is_leaf_edge
-from shared.trie_async import AsyncTokenCharacterTrie
-from shared.trie_parallel import ParallelTokenCharacterTrie
-from shared.vocab import Token
+import producer.tokenization
+from producer.tokenization.trie import TokenCharacterTrie, is_leaf_edge
+from producer.tokenization.trie_async import AsyncTokenCharacterTrie
+from producer.tokenization.trie_parallel import ParallelTokenCharacterTrie
+from producer.tokenization.vocab import Token
 
 RTOL, ATOL = 1e-5, 1e-8
 TOY_BYTES = [b"a", b"b", b"ab", b"<eos>"]
@@ -398,11 +400,38 @@ def test_async_invalid_backend() -> None:
 # -- misc ---------------------------------------------------------------------------------------
 
 
-def test_classes_importable_from_shared_trie() -> None:
-    assert shared.trie.ParallelTokenCharacterTrie is ParallelTokenCharacterTrie
-    assert shared.trie.AsyncTokenCharacterTrie is AsyncTokenCharacterTrie
-    with pytest.raises(AttributeError):
-        _ = shared.trie.NoSuchTrie
+def test_classes_importable_from_the_package() -> None:
+    import producer
+
+    for name in ("TokenCharacterTrie", "ParallelTokenCharacterTrie", "AsyncTokenCharacterTrie"):
+        assert getattr(producer.tokenization, name) is getattr(producer, name)
+    assert producer.tokenization.ParallelTokenCharacterTrie is ParallelTokenCharacterTrie
+    assert producer.tokenization.AsyncTokenCharacterTrie is AsyncTokenCharacterTrie
+    assert producer.tokenization.Token is producer.Token is Token
+
+
+def test_trie_modules_import_downward_only() -> None:
+    """trie <- trie_parallel <- trie_async and token, bytes <- vocab: no module imports one
+    that imports it."""
+    folder = Path(producer.tokenization.__file__).parent
+    imported = {}
+    for name in ("trie", "trie_parallel", "trie_async", "token", "bytes", "vocab"):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported[name] = {
+            node.module.rsplit(".", 1)[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("producer.tokenization")
+        }
+    assert imported == {
+        "trie": set(),
+        "trie_parallel": {"trie"},
+        "trie_async": {"trie", "trie_parallel"},
+        "token": set(),
+        "bytes": set(),
+        "vocab": {"token", "bytes"},
+    }
 
 
 def test_visualize_matches_genlm() -> None:

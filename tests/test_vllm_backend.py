@@ -1,13 +1,13 @@
 """The vllm backend against an in-process transformers float32 reference, and through a pool.
 
-Needs vLLM (skipped otherwise, as in the main venv). On a CPU-only host:
+The engine runs as vLLM runs it by default: its engine core in a child process (no VLLM_*
+variables are set here). Needs vLLM (skipped otherwise, as in the main venv). On a CPU-only host:
 
     .ci/vllm-env.sh && .venv-vllm/bin/python -m pytest -q tests/test_vllm_backend.py
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
@@ -19,23 +19,14 @@ from typing import Any
 
 import pytest
 
-if importlib.util.find_spec("vllm") is not None:
-    # vLLM reads these from the environment only, when it is imported and when an engine starts;
-    # pytest offers no fixture that runs before this module imports vLLM, hence module level.
-    # In-process engine: the backend's logits processor must run in this process (the backend
-    # sets this one itself too; set here so that the worker subprocess inherits it as well).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # CPU KV cache of 1 GiB instead of a share of the machine's memory: two engines (this
-    # process and the pool worker) run side by side on a 24 GiB host.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 pytest.importorskip("vllm")
 
 import torch
 from poolkit import ALPHA, EOS, RANK, VOCAB, build_adapter, build_model
 
-from shared.errors import InvalidRequest, UnknownAdapter
+from shared.errors import InvalidRequest, SettingsError, UnknownAdapter
 from shared.settings import Settings
+from worker.backends.base import Work
 
 TOL = 1e-5
 
@@ -52,10 +43,19 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def backend(model_dir: Path, adapter_dir: Path) -> Iterator[Any]:
-    """One engine for the module (vLLM start-up takes ~10 s here)."""
+    """One engine for the module (vLLM start-up takes ~30 s here: two spawned processes)."""
     from worker.backends import load_backend
 
-    b = load_backend(Settings(model=str(model_dir), backend="vllm", lora=f"a={adapter_dir}"))
+    # Two engines (this process's and the pool worker's) side by side: 256 MiB of KV cache
+    # each on the CPU, 40% of the GPU's memory each on CUDA.
+    settings = Settings(
+        model=str(model_dir),
+        backend="vllm",
+        lora=f"a={adapter_dir}",
+        kv_cache_mb=256,
+        gpu_memory_utilization=0.4,
+    )
+    b = load_backend(settings)
     yield b
     b.close()
 
@@ -235,19 +235,22 @@ def test_lora_matches_merged_reference(
 
 
 def test_check_prompt_rejects_bad_input(backend: Any) -> None:
-    backend.check_prompt([5, 6], None, 0)
+    backend.check_prompt(2, None, 0)
     with pytest.raises(InvalidRequest):
-        backend.check_prompt([5, VOCAB], None, 0)
+        backend.check_prompt(0, None, 0)
     with pytest.raises(InvalidRequest):
-        backend.check_prompt([-1], None, 0)
+        backend.check_prompt(257, None, 0)
     with pytest.raises(InvalidRequest):
-        backend.check_prompt([], None, 0)
-    with pytest.raises(InvalidRequest):
-        backend.check_prompt([5] * 257, None, 0)
+        backend.check_prompt(11, None, 10)
     with pytest.raises(UnknownAdapter):
-        backend.check_prompt([5], "nope", 0)
+        backend.check_prompt(1, "nope", 0)
     with pytest.raises(UnknownAdapter):
         backend.logprobs([[5]], "nope")
+    # ids the worker would have refused still get a typed error, not a dead engine
+    for ids in ([5, VOCAB], [-1], [5] * 257):
+        with pytest.raises(InvalidRequest):
+            backend.logprobs([ids], None)
+    assert backend.logprobs([[5, 6]], None).shape == (1, VOCAB)
 
 
 def test_capture_processor_v2_interface() -> None:
@@ -256,10 +259,10 @@ def test_capture_processor_v2_interface() -> None:
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 
-    from worker.backends import vllm as vb
+    from worker.backends.vllm import capture
 
-    proc = vb.capture_processor_class()(None, None)
-    tagged = SamplingParams(extra_args={vb.CAPTURE_KEY: "v2-test-x"})
+    proc = capture.LogprobsCapture(None, None)
+    tagged = SamplingParams(extra_args={capture.CAPTURE_KEY: "v2-test-x"})
     assert proc.add_request(3, tagged) is True
     assert proc.add_request(1, SamplingParams()) is False
     logits = torch.randn(2, 10)
@@ -273,8 +276,162 @@ def test_capture_processor_v2_interface() -> None:
         seq_lens_upper_bound_np=np.array([1, 1]),
     )
     assert proc.apply(logits, ctx) is logits
-    (row,) = vb._take(["v2-test-x"])
-    assert row is not None and torch.equal(row, torch.log_softmax(logits[1], -1))
+    # what the worker extension sends back through collective_rpc: plain msgpack types
+    packed = capture.CaptureExtension().lmpool_take_rows(["v2-test-x", "absent"], [])
+    assert packed["found"] == ["v2-test-x"] and isinstance(packed["data"], bytes)
+    row = capture.unpack(packed)["v2-test-x"]
+    assert torch.equal(row, torch.log_softmax(logits[1], -1))
+    assert capture.take(["v2-test-x"]) == [None]  # taken once
+
+
+# -- the stepwise scheduler ---------------------------------------------------------------------
+def sample_work(prompt: list[int], n: int, seed: int | None, eos: list[int] | None = None) -> Work:
+    params = {"max_tokens": n, "eos": eos or [], "temperature": 1.0, "seed": seed}
+    return Work("sample", prompt, None, params)
+
+
+def steps_until(backend: Any, works: list[Work], limit: int = 2000) -> int:
+    """Step until every work finished; the number of steps."""
+    waiting = {id(w) for w in works}
+    steps = 0
+    while waiting:
+        assert backend.has_work() and steps < limit
+        for w in backend.step():
+            waiting.discard(id(w))
+        steps += 1
+    return steps
+
+
+def test_concurrent_samples_decode_together(backend: Any) -> None:
+    works = [sample_work([5, 6 + i], 32, seed=i) for i in range(8)]
+    backend.submit(works)
+    steps = steps_until(backend, works)
+    assert all(w.error is None and len(w.result) == 32 for w in works)  # type: ignore[arg-type]
+    # one by one would take 8 * 32 steps; together, about 32 (prefill + 31 decodes)
+    assert steps <= 48, steps
+    assert not backend.has_work()
+
+
+def test_next_token_work_does_not_wait_for_generations(backend: Any, reference: Reference) -> None:
+    samples = [sample_work([7, 8 + i], 64, seed=i) for i in range(4)]
+    backend.submit(samples)
+    for _ in range(3):
+        assert backend.step() == []
+    prompt = random_prompts(1, seed=9)[0]
+    row = Work("logprobs", prompt)
+    backend.submit([row])
+    steps, finished = 0, False
+    while not finished:
+        done = backend.step()
+        steps += 1
+        finished = row in done
+        assert not any(s in done for s in samples), "a generation ended before the row"
+    assert steps <= 6, steps  # a few engine steps, not the 61 decode steps left
+    assert max_diff(row.result[None], reference.logprobs([prompt])) < TOL  # type: ignore[index]
+    steps_until(backend, samples)
+    assert all(len(s.result) == 64 for s in samples)  # type: ignore[arg-type]
+
+
+def test_seeded_sample_is_the_same_alone_and_in_company(backend: Any) -> None:
+    prompt = [9, 10, 11]
+    alone = backend.sample(prompt, 24, [EOS], 1.0, 77, None)
+    target = sample_work(prompt, 24, seed=77, eos=[EOS])
+    company = [sample_work([12 + i, 13], 40, seed=i) for i in range(5)]
+    rows = [Work("logprobs", p) for p in random_prompts(6, seed=10)]
+    backend.submit([*company[:3], target, *rows[:3]])
+    first = {id(w) for w in backend.step()}
+    backend.submit([*company[3:], *rows[3:]])
+    steps_until(backend, [w for w in (target, *company, *rows) if id(w) not in first])
+    assert all(w.error is None for w in (target, *company, *rows))
+    assert [int(t) for t in target.result] == alone  # type: ignore[union-attr]
+
+
+def test_scores_run_together(backend: Any, reference: Reference) -> None:
+    items = [(p[: 5 + i], p[5 + i :]) for i, p in enumerate(random_prompts(6, seed=11, max_len=8))]
+    items = [(p[:5], p[5:]) for p in ([*p, 4, 5, 6, 7, 8, 9, 10] for p, _ in items)]
+    works = [Work("score", list(p), None, {"cont": list(c)}) for p, c in items]
+    backend.submit(works)
+    steps = steps_until(backend, works)
+    assert steps <= 2, steps  # one engine step for all of them (two if split)
+    for w, (p, c) in zip(works, items, strict=True):
+        assert max_diff(w.result, reference.score(p, c)) < TOL  # type: ignore[arg-type]
+
+
+def test_scores_share_steps_with_adapters_and_generations(
+    backend: Any, model_dir: Path, adapter_dir: Path, reference: Reference
+) -> None:
+    """Prompt log-probs in a step with other requests and other adapters: vLLM computes them
+    with a per-request LoRA mapping, which breaks with a LoRA on lm_head (the backend keeps
+    lm_head out of the engine's LoRA targets); here each score must match its reference."""
+    merged = Reference(model_dir, adapter_dir)
+    prompt, cont = [5, 9, 11, 13], [17, 19, 23, 29, 31]
+    works = [
+        Work("score", prompt, None, {"cont": cont}),
+        Work("score", prompt, "a", {"cont": cont}),
+        Work("logprobs", prompt + cont, "a"),
+        sample_work([6, 7], 16, seed=3),
+        Work("score", cont, "a", {"cont": prompt}),
+    ]
+    backend.submit(works)
+    steps_until(backend, works)
+    assert all(w.error is None for w in works), [w.error for w in works]
+    assert max_diff(works[0].result, reference.score(prompt, cont)) < TOL  # type: ignore[arg-type]
+    assert max_diff(works[1].result, merged.score(prompt, cont)) < TOL  # type: ignore[arg-type]
+    assert max_diff(works[4].result, merged.score(cont, prompt)) < TOL  # type: ignore[arg-type]
+    row = merged.logprobs([prompt + cont])
+    assert max_diff(works[2].result[None], row) < TOL  # type: ignore[index]
+
+
+def test_errors_and_empty_works_come_back_from_step(backend: Any) -> None:
+    bad = Work("logprobs", [5], "nope")
+    odd = Work("what", [5])
+    empty = sample_work([5], 0, seed=1)
+    no_cont = Work("score", [5], None, {"cont": []})
+    pinned = Work("cache_kv", [5, 6, 7, 8])
+    unpinned = Work("cache_kv", [5, 6, 7, 8], None, {"pin": False})
+    works = [bad, odd, empty, no_cont, pinned, unpinned]
+    backend.submit(works)
+    steps_until(backend, works)
+    assert isinstance(bad.error, UnknownAdapter)
+    assert isinstance(odd.error, InvalidRequest)
+    assert empty.result is not None and empty.result.tolist() == []
+    assert no_cont.result is not None and no_cont.result.shape == (0,)
+    assert pinned.result is not None and pinned.result.tolist() == [1]  # prefix caching on
+    assert unpinned.result is not None and unpinned.result.tolist() == [0]  # nothing pinned
+    assert backend.pin_prefix([5, 6, 7, 8, 9], None) is True
+
+
+def test_row_transfer_is_counted(backend: Any) -> None:
+    before = (backend.transfers, backend.transferred_rows)
+    backend.logprobs(random_prompts(5, seed=12), None)
+    assert backend.transferred_rows - before[1] == 5
+    assert backend.transfers - before[0] >= 1
+
+
+def test_add_and_remove_lora_at_run_time(
+    backend: Any, model_dir: Path, tmp_path: Path, reference: Reference
+) -> None:
+    second = build_adapter(tmp_path / "b", seed=2)
+    merged = Reference(model_dir, second)
+    prompts = random_prompts(4, seed=13)
+    with pytest.raises(UnknownAdapter):
+        backend.check_prompt(1, "b", 0)
+    backend.add_lora("b", second)
+    assert backend.info.adapters == ["a", "b"]
+    backend.check_prompt(1, "b", 0)
+    out = backend.logprobs(prompts, "b")
+    assert max_diff(out, merged.logprobs(prompts)) < TOL
+    assert max_diff(out, backend.logprobs(prompts, "a")) > 1e-3  # not adapter a
+    # replaced under the same name: the new weights (a's) are loaded, not the cached ones
+    first = backend._lora_requests["a"].lora_path
+    backend.add_lora("b", first)
+    assert max_diff(backend.logprobs(prompts, "b"), backend.logprobs(prompts, "a")) < TOL
+    assert backend.remove_lora("b") is True and backend.remove_lora("b") is False
+    assert backend.info.adapters == ["a"]
+    with pytest.raises(UnknownAdapter):
+        backend.logprobs(prompts, "b")
+    with pytest.raises(SettingsError, match="cannot read r"):
+        backend.add_lora("c", tmp_path / "missing")
 
 
 # -- through a pool ------------------------------------------------------------------------------
@@ -292,6 +449,7 @@ async def test_pool_end_to_end(model_dir: Path, reference: Reference, tmp_path: 
             LMPOOL_BACKEND="vllm",
             LMPOOL_MODEL=str(model_dir),
             LMPOOL_HEARTBEAT_S="0.5",
+            LMPOOL_GPU_MEMORY_UTILIZATION="0.4",
             PYTHONUNBUFFERED="1",
         )
         log_path = tmp_path / "worker.log"

@@ -1,4 +1,5 @@
-"""shared.vocab against genlm-backend 0.3.1's decode_vocab and Token, on real and built tokenizers.
+"""producer.tokenization.vocab against genlm-backend 0.3.1's decode_vocab and Token, on real
+and built tokenizers.
 
 Byte-level BPE is the bundled SmolLM2 tokenizer (read from its GGUF file, no hub access);
 SentencePiece is a small BPE (byte fallback) and a small Unigram (Metaspace only) built with
@@ -10,6 +11,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import pickle
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,14 @@ from genlm.backend.tokenization.vocab import bytes_to_strs as genlm_bytes_to_str
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from shared.vocab import Token, bytes_to_strs, decode_vocab, get_byte_vocab
+from producer.tokenization.vocab import (
+    Token,
+    Vocabularies,
+    bytes_to_strs,
+    decode_vocab,
+    genlm_token_class,
+    get_byte_vocab,
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROBE_TEXT = "Hello wörld ’•¶ 爨 ൠ\n\tend"
@@ -280,6 +292,88 @@ def test_token_rejects_bad_arguments() -> None:
         Token("1", b"a")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="byte_string must be bytes"):
         Token(1, "a")  # type: ignore[arg-type]
+
+
+# -- Vocabularies and RemoteLM -------------------------------------------------------------------
+
+
+def test_vocabularies_are_lazy_and_built_once(smollm2: Any) -> None:
+    vocabs = Vocabularies(smollm2, Token, "latin1")
+    assert vocabs.str_vocab == genlm_decode_vocab(smollm2, "latin1")[1]
+    assert vocabs._byte_vocab is None  # the strings alone build no token
+    assert vocabs.byte_vocab is vocabs.byte_vocab and vocabs.str_vocab is vocabs.str_vocab
+    assert all(type(t) is Token for t in vocabs.byte_vocab)
+    assert vocabs.raw == [bytes(t) for t in genlm_decode_vocab(smollm2)[0]]
+    with pytest.raises(ValueError, match="Unknown byte2str_fallback"):
+        Vocabularies(smollm2, Token, "ascii")
+    with pytest.raises(ValueError, match="Could not decode"):
+        _ = Vocabularies(build_wordpiece()).str_vocab
+
+
+def test_genlm_token_class_is_genlm_backends() -> None:
+    assert genlm_token_class() is GenlmToken
+
+
+def test_genlm_token_class_without_importing_genlm_backend() -> None:
+    """Loading genlm's Token alone (genlm.backend costs a second to import) gives the class
+    that genlm.backend, imported afterwards, uses and exports."""
+    code = textwrap.dedent(
+        """
+        import pickle, sys
+        from producer.tokenization.vocab import genlm_token_class
+        cls = genlm_token_class()
+        assert "genlm.backend" not in sys.modules, "genlm.backend was imported"
+        token = cls(3, b"ab")
+        import genlm.backend
+        import genlm.backend.tokenization as tokenization
+        from genlm.backend.tokenization import Token
+        assert cls is Token is genlm.backend.Token is tokenization.token.Token
+        assert type(pickle.loads(pickle.dumps(token))) is Token
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def assert_same_as_genlm(lm: Any, tokenizer: Any) -> None:
+    """``lm``'s vocabularies are genlm-backend's ``decode_vocab`` of ``tokenizer``, in its
+    ``Token`` class."""
+    their_bytes, their_strs = genlm_decode_vocab(tokenizer)
+    assert all(type(t) is GenlmToken for t in lm.byte_vocab)
+    assert [t.token_id for t in lm.byte_vocab] == [t.token_id for t in their_bytes]
+    assert [bytes(t) for t in lm.byte_vocab] == [bytes(t) for t in their_bytes]
+    assert lm.str_vocab == their_strs
+    assert len(lm.byte_vocab) == lm.vocab_size
+
+
+@pytest.mark.asyncio
+async def test_remote_lm_vocabularies_match_genlm_mock(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    from producer import RemoteLM
+    from shared.tokenizer import byte_tokenizer
+
+    workers(redis_url, backend="mock", mock_vocab_size=1000)
+    async with await RemoteLM.connect(redis_url, model="mock-1000") as lm:
+        assert_same_as_genlm(lm, byte_tokenizer(1000))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.asyncio
+async def test_remote_lm_vocabularies_match_genlm_default_model(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    from producer import RemoteLM
+    from shared.settings import Settings
+    from worker.model_files import converted_gguf, default_model_path
+
+    workers(redis_url, max_batch=1)
+    path = converted_gguf(default_model_path(), Path(Settings().cache_dir))
+    async with await RemoteLM.connect(redis_url) as lm:
+        assert lm.vocab_size == 49152
+        assert_same_as_genlm(lm, AutoTokenizer.from_pretrained(path))
 
 
 def _is_utf8(b: bytes) -> bool:

@@ -1,29 +1,30 @@
 """``arq worker.WorkerSettings``: the process that runs a backend and serves its streams.
 
 arq owns the process (signals, start-up, shutdown, offline jobs); the per-request path runs on
-Redis streams in :mod:`worker.consumer`, started from ``on_startup``. Jobs travel as msgpack,
+Redis streams in :mod:`worker.stream`, started from ``on_startup``. Jobs travel as msgpack,
 never pickle: anyone who can write to Redis must not be able to run code on a GPU node.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-import msgpack
 from arq.connections import RedisSettings
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.errors import SettingsError
 from shared.keys import Keys
 from shared.logs import setup_logging
+from shared.redis_conn import is_cluster, is_cluster_async
 from shared.settings import Settings
-from worker.jobs import score_file
+from worker.jobs import pack_job, score_file, unpack_job
 
 log = logging.getLogger("lmpool.worker")
 
@@ -39,12 +40,20 @@ async def startup(ctx: dict[str, Any]) -> None:
 
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
+    cluster = await is_cluster_async(settings.redis_url)
+    if cluster and not settings.arq_redis_url:
+        raise SettingsError(no_arq_redis(settings))
+    if settings.arq_redis_url and await is_cluster_async(settings.arq_redis_url):
+        raise SettingsError(
+            f"LMPOOL_ARQ_REDIS_URL={settings.arq_redis_url} is a Redis Cluster node: arq needs "
+            "a plain Redis"
+        )
     if settings.torch_threads:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
     backend = await asyncio.to_thread(load_backend, settings)
-    pool = PoolWorker(settings, backend)
+    pool = PoolWorker(settings, backend, cluster)
     await pool.start()
     ctx["lmpool"] = pool
 
@@ -61,9 +70,29 @@ async def pool_info(ctx: dict[str, Any]) -> dict[str, Any]:
     return description
 
 
+def no_arq_redis(settings: Settings) -> str:
+    return (
+        f"LMPOOL_REDIS_URL={settings.redis_url} is a Redis Cluster node, and arq's job queue "
+        "cannot live on a cluster: set LMPOOL_ARQ_REDIS_URL to a plain Redis"
+    )
+
+
+def arq_url(settings: Settings) -> str:
+    """Where arq's queue lives; checked here, at import, because arq talks to it before any
+    start-up hook runs. A server that does not answer yet counts as no cluster (start-up asks
+    again)."""
+    if settings.arq_redis_url:
+        return settings.arq_redis_url
+    try:
+        cluster = is_cluster(settings.redis_url)
+    except (RedisError, OSError):
+        cluster = False
+    if cluster:
+        raise SettingsError(no_arq_redis(settings))
+    return settings.redis_url
+
+
 _SETTINGS = load_settings()
-_packb = functools.partial(msgpack.packb, use_bin_type=True)
-_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=False)
 
 
 def redis_settings(url: str) -> RedisSettings:
@@ -85,10 +114,10 @@ class WorkerSettings:
     functions = [pool_info, score_file]
     on_startup = startup
     on_shutdown = shutdown
-    redis_settings = redis_settings(_SETTINGS.redis_url)
+    redis_settings = redis_settings(arq_url(_SETTINGS))
     queue_name = Keys(_SETTINGS.key_prefix).arq_queue
-    job_serializer = _packb
-    job_deserializer = _unpackb
+    job_serializer = pack_job
+    job_deserializer = unpack_job
     max_jobs = 4
     job_timeout = 24 * 3600
     keep_result = 3600

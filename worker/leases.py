@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import random
-
-from redis.asyncio import Redis
+from typing import Any
 
 from shared.keys import Keys
+from shared.redis_conn import AnyRedis
+from shared.scripts import Script, execute
 
 RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -25,11 +26,12 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+RENEW_SCRIPT, RELEASE_SCRIPT = Script(RENEW), Script(RELEASE)
 
 
 class LeaseKeeper:
     def __init__(
-        self, redis: Redis, keys: Keys, model: str, worker_id: str, shards: int, ttl_ms: int
+        self, redis: AnyRedis, keys: Keys, model: str, worker_id: str, shards: int, ttl_ms: int
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -38,19 +40,23 @@ class LeaseKeeper:
         self.shards = shards
         self.ttl_ms = ttl_ms
         self.owned: set[int] = set()
-        self._renew = redis.register_script(RENEW)
-        self._release = redis.register_script(RELEASE)
+
+    async def _run(self, script: Script, shard: int, *args: Any) -> Any:
+        key = self.keys.lease(self.model, shard)
+        (out,) = await execute(
+            self.redis, lambda pipe: script.queue(pipe, [key], [self.worker_id, *args]), [script]
+        )
+        return out
 
     async def refresh(self, live_workers: int) -> set[int]:
         """Renew, then release or acquire towards an even share; returns the owned shards."""
         for shard in sorted(self.owned):
-            key = self.keys.lease(self.model, shard)
-            if not await self._renew(keys=[key], args=[self.worker_id, self.ttl_ms]):
+            if not await self._run(RENEW_SCRIPT, shard, self.ttl_ms):
                 self.owned.discard(shard)  # lapsed (we were too slow): someone else may own it
         target = math.ceil(self.shards / max(live_workers, 1))
         while len(self.owned) > target:
             shard = max(self.owned)
-            await self._release(keys=[self.keys.lease(self.model, shard)], args=[self.worker_id])
+            await self._run(RELEASE_SCRIPT, shard)
             self.owned.discard(shard)
         if len(self.owned) < target:
             free = [s for s in range(self.shards) if s not in self.owned]
@@ -65,10 +71,13 @@ class LeaseKeeper:
 
     async def owners(self) -> dict[int, str | None]:
         """Current owner of every shard (None: free)."""
-        values = await self.redis.mget([self.keys.lease(self.model, s) for s in range(self.shards)])
+        pipe = self.redis.pipeline(transaction=False)  # not MGET: the keys span cluster slots
+        for s in range(self.shards):
+            pipe.get(self.keys.lease(self.model, s))
+        values = await pipe.execute()
         return {s: (v.decode() if v else None) for s, v in enumerate(values)}
 
     async def release_all(self) -> None:
         for shard in sorted(self.owned):
-            await self._release(keys=[self.keys.lease(self.model, shard)], args=[self.worker_id])
+            await self._run(RELEASE_SCRIPT, shard)
         self.owned.clear()

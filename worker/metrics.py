@@ -20,15 +20,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         labels = {"model": model, "backend": backend}
         self.batch_size = Histogram(
-            "lmpool_batch_size", "Stream entries per batch", list(labels),
+            "lmpool_batch_size", "Requests finished per backend step", list(labels),
             buckets=BATCH_BUCKETS, registry=self.registry,
         ).labels(**labels)  # fmt: skip
         self.batch_seconds = Histogram(
-            "lmpool_batch_seconds", "Time to answer one batch (read to acknowledged)",
+            "lmpool_batch_seconds", "Time of one backend step",
             list(labels), buckets=SECONDS_BUCKETS, registry=self.registry,
         ).labels(**labels)  # fmt: skip
         self.queue_wait = Histogram(
-            "lmpool_queue_wait_seconds", "Time a request spent in its stream before its batch",
+            "lmpool_queue_wait_seconds", "From a request's arrival in its stream to its answer",
             list(labels), buckets=SECONDS_BUCKETS, registry=self.registry,
         ).labels(**labels)  # fmt: skip
         outcomes = Counter(
@@ -37,7 +37,15 @@ class Metrics:
         )  # fmt: skip
         self.outcome = {
             name: outcomes.labels(**labels, outcome=name)
-            for name in ("computed", "cache_hit", "skipped", "error", "dead_letter", "duplicate")
+            for name in (
+                "computed",
+                "cache_hit",
+                "skipped",
+                "error",
+                "expired",
+                "dead_letter",
+                "duplicate",
+            )
         }
         self.kv_bytes = Gauge(
             "lmpool_kv_cache_bytes", "Bytes of cached key/value tensors", list(labels),
@@ -58,16 +66,24 @@ class Metrics:
             self._server.shutdown()
             self._server = None
 
-    def observe_batch(self, entry_ids: list[str], seconds: float, outcomes: dict[str, int]) -> None:
-        now_ms = time.time() * 1000
-        self.batch_size.observe(len(entry_ids))
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """One backend step: how many works it finished and how long it took."""
+        self.batch_size.observe(rows)
         self.batch_seconds.observe(seconds)
+
+    def observe_written(self, entry_ids: list[str], outcomes: list[str]) -> None:
+        """Entries answered in one write, and the outcome of each distinct request."""
+        now_ms = time.time() * 1000
         for entry_id in entry_ids:
             # A stream entry id starts with the Redis server's clock (ms) at XADD time.
             added_ms = int(entry_id.split("-", 1)[0])
-            self.queue_wait.observe(max(now_ms - added_ms, 0) / 1000 - seconds)
-        for name, n in outcomes.items():
-            if n:
+            self.queue_wait.observe(max(now_ms - added_ms, 0) / 1000)
+        counts: dict[str, int] = {}
+        for name in outcomes:
+            counts[name] = counts.get(name, 0) + 1
+        counts["duplicate"] = max(len(entry_ids) - len(outcomes), 0)
+        for name, n in counts.items():
+            if n and name in self.outcome:
                 self.outcome[name].inc(n)
 
     def observe_kv(self, stats: dict[str, int]) -> None:

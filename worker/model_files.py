@@ -1,4 +1,5 @@
-"""Finding and loading model files: the bundled default, HF directories, GGUF files.
+"""Finding and loading model files: the bundled default, HF directories, GGUF files, and what
+every backend reads from them the same way (:func:`model_dir`, :func:`eos_token_ids`).
 
 GGUF files are de-quantized to float32 by transformers, which costs 11-25 s for the default
 model on two cores; the converted model is cached on disk (``LMPOOL_CACHE_DIR``) so later
@@ -14,9 +15,12 @@ import shutil
 import tempfile
 from importlib import util as importlib_util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import SettingsError
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 log = logging.getLogger("lmpool.worker")
 SAMPLE_BYTES = 1 << 20
@@ -46,6 +50,31 @@ def resolve_model(model: str) -> Path:
             "give a local HF model directory or a .gguf file)"
         )
     return path
+
+
+def model_dir(settings: Settings) -> tuple[Path, Path]:
+    """``(source, path)`` for ``LMPOOL_MODEL``: ``source`` is what the setting names (a model
+    directory or a GGUF file; the fingerprint is taken from it), ``path`` the HF directory to
+    load (``source`` itself, or the GGUF file converted once under ``LMPOOL_CACHE_DIR``)."""
+    source = resolve_model(settings.model)
+    path = converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
+    return source, path
+
+
+def eos_token_ids(path: Path, config: Any, tokenizer: Any) -> list[int]:
+    """EOS ids of the model in HF directory ``path``, as transformers' ``generate`` finds them:
+    ``generation_config.json`` if there is one, else the model config's ``eos_token_id``
+    (``config``: its ``AutoConfig``, or any object with that attribute), else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    else:
+        eos = getattr(config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return [int(i) for i in ids]
 
 
 def files_fingerprint(path: Path) -> str:

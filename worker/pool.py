@@ -11,31 +11,33 @@ import time
 import uuid
 from typing import Any
 
-from redis.asyncio import Redis
-
 from shared import registry
-from shared.errors import SettingsError
+from shared.errors import ProtocolError, SettingsError
 from shared.keys import Keys
-from shared.redis_conn import connect_redis
+from shared.protocol import PROTOCOL_VERSION
+from shared.redis_conn import AnyRedis, connect_redis, connect_redis_sync
+from shared.registry import ModelMeta
 from shared.settings import Settings
-from worker.backends.base import Backend
-from worker.consumer import Consumer
+from worker.backends.base import Backend, EngineDead
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
-from worker.reclaim import reclaim_loop
+from worker.stream.consumer import Consumer
+from worker.stream.reclaim import reclaim_loop
 
 log = logging.getLogger("lmpool.worker")
 
 
 class PoolWorker:
-    def __init__(self, settings: Settings, backend: Backend) -> None:
+    def __init__(self, settings: Settings, backend: Backend, cluster: bool = False) -> None:
         self.settings = settings
         self.backend = backend
         self.keys = Keys(settings.key_prefix)
         self.model = settings.served_model_name
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.redis: Redis = connect_redis(settings.redis_url)
-        self.consumer = Consumer(self.redis, backend, settings, self.worker_id)
+        self.cluster = cluster
+        """``LMPOOL_REDIS_URL`` names a Redis Cluster (detected at start-up)."""
+        self.redis: AnyRedis = connect_redis(settings.redis_url)
+        self.consumer = Consumer(self.redis, backend, settings, self.worker_id, cluster)
         self.metrics = Metrics(self.model, backend.name)
         self.consumer.metrics = self.metrics
         self.leases = LeaseKeeper(
@@ -54,12 +56,15 @@ class PoolWorker:
     async def start(self) -> None:
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
+        await self._sync_clock()
         await self._publish_meta()
         await self.consumer.ensure_groups()
         await self._beat()
         await self._rebalance()
+        consumer = asyncio.create_task(self.consumer.run(), name="lmpool-consumer")
+        consumer.add_done_callback(self._consumer_done)
         self._tasks = [
-            asyncio.create_task(self.consumer.run(), name="lmpool-consumer"),
+            consumer,
             asyncio.create_task(self._heartbeat_loop(), name="lmpool-heartbeat"),
             asyncio.create_task(reclaim_loop(self.consumer, self._stopping), name="lmpool-reclaim"),
         ]
@@ -67,20 +72,43 @@ class PoolWorker:
 
     async def _publish_meta(self) -> None:
         """Publish model metadata; refuse to mix different weights under one model name."""
-        meta = dataclasses.asdict(self.backend.info)
-        old = await registry.read_meta(self.redis, self.keys, self.model)
-        meta["backend"] = self.backend.name
-        for name in ("max_queue", "shards", "affinity_tokens"):  # pool-wide: producers use them
-            meta[name] = getattr(self.settings, name)
+        s = self.settings
+        meta: ModelMeta = {
+            **dataclasses.asdict(self.backend.info),  # type: ignore[typeddict-item]
+            "backend": self.backend.name,
+            # pool-wide: producers route and bound their requests with these
+            "max_queue": s.max_queue,
+            "shards": s.shards,
+            "affinity_tokens": s.affinity_tokens,
+            # what producers check before sending, so a bad request fails at the edge
+            "prompt_limit": self.backend.prompt_limit(s.max_prompt_tokens),
+            "max_message_bytes": s.max_message_bytes,
+            "wire_dtype": s.wire_dtype,
+            "protocol": PROTOCOL_VERSION,
+        }
+        try:
+            old = await registry.read_meta(self.redis, self.keys, self.model)
+        except ProtocolError:
+            old = None  # another version's: this worker's replaces it
         if old is not None and await registry.live_workers(self.redis, self.keys, self.model):
             for name in ("fingerprint", "shards", "affinity_tokens"):
-                if name in old and old[name] != meta[name]:
+                if old[name] != meta[name]:
                     raise SettingsError(
                         f"model name {self.model!r} is served by live workers with {name} "
                         f"{old[name]!r}, this worker has {meta[name]!r}: align the settings, "
                         "or set LMPOOL_MODEL_NAME to tell the two apart"
                     )
         await registry.write_meta(self.redis, self.keys, self.model, meta)
+
+    async def _republish_if_lost(self) -> None:
+        """After a FLUSHALL, a restart without persistence or a failover to a replica that
+        never saw them, the model's metadata and streams are gone: create them again, so
+        producers find this worker and its groups exist (the heartbeat re-registers it)."""
+        if await self.redis.exists(self.keys.meta(self.model)):
+            return
+        log.warning("the model's metadata vanished from Redis: publishing it again")
+        await self._publish_meta()
+        await self.consumer.ensure_groups()
 
     def describe(self) -> dict[str, Any]:
         st = self.consumer.stats
@@ -106,6 +134,7 @@ class PoolWorker:
             "requests_per_s": round(st.per_second(), 2),
             "busy_s": round(st.busy_s, 3),
             "kv": self.kv_stats(),
+            "adapters": list(self.backend.info.adapters),
             "shards": sorted(self.leases.owned),
         }
 
@@ -122,8 +151,30 @@ class PoolWorker:
             )
 
     def kv_stats(self) -> dict[str, int]:
-        stats = getattr(self.backend, "kv_stats", None)
-        return dict(stats()) if callable(stats) else {}
+        return dict(self.backend.kv_stats())
+
+    async def _sync_clock(self) -> None:
+        """The Redis server's clock minus ours: request deadlines and entry ages use it."""
+        t0 = time.time()
+        seconds, micros = await self.redis.time()
+        self.consumer.clock_offset_ms = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
+
+    def _consumer_done(self, task: asyncio.Task[None]) -> None:
+        """The consumer ends only when stopped, or when its engine died: then the process
+        exits non-zero so that its supervisor restarts it; its entries stay pending and the
+        other workers reclaim them."""
+        if task.cancelled() or self._stopping.is_set():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        if isinstance(error, EngineDead):
+            log.critical(
+                "the engine died: %s; exiting so that a supervisor restarts this worker", error
+            )
+        else:
+            log.critical("the consumer failed: %r; exiting", error, exc_info=error)
+        exit_now(self, 3)
 
     async def _beat(self) -> None:
         kv = self.kv_stats()
@@ -147,8 +198,11 @@ class PoolWorker:
             if self._stopping.is_set():
                 return
             try:
+                await self._sync_clock()
+                await self._republish_if_lost()
                 await self._beat()
                 await self._rebalance()
+                await self.consumer.adapters.sync()
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
@@ -169,3 +223,21 @@ class PoolWorker:
         self.metrics.close()
         self.backend.close()
         log.info("worker %s stopped", self.worker_id)
+
+
+def exit_now(worker: PoolWorker, code: int) -> None:
+    """Leave the process at once (the engine is gone: a graceful stop could hang on it),
+    unregistering first when Redis answers quickly."""
+    try:
+        r = connect_redis_sync(worker.settings.redis_url, socket_timeout=2)
+        pipe = r.pipeline(transaction=False)
+        pipe.zrem(worker.keys.workers(worker.model), worker.worker_id)
+        pipe.delete(worker.keys.worker(worker.worker_id))
+        for shard in worker.leases.owned:
+            pipe.delete(worker.keys.lease(worker.model, shard))
+        pipe.execute()
+        r.close()
+    except Exception:
+        log.warning("could not unregister before exiting", exc_info=True)
+    logging.shutdown()
+    os._exit(code)

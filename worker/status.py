@@ -14,11 +14,9 @@ import sys
 import time
 from typing import Any
 
-from redis.asyncio import Redis
-
 from shared import registry
 from shared.keys import GROUP, Keys
-from shared.redis_conn import connect_redis
+from shared.redis_conn import AnyRedis, connect_redis
 from shared.settings import Settings
 
 
@@ -26,7 +24,7 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def collect(redis: Redis, keys: Keys) -> dict[str, Any]:
+async def collect(redis: AnyRedis, keys: Keys) -> dict[str, Any]:
     """Everything the status view shows, as plain data."""
     models = sorted(_s(m) for m in await redis.smembers(keys.models))  # type: ignore[misc]
     out: dict[str, Any] = {"time": time.time(), "models": {}, "jobs": await _jobs(redis, keys)}
@@ -35,16 +33,17 @@ async def collect(redis: Redis, keys: Keys) -> dict[str, Any]:
     return out
 
 
-async def _model(redis: Redis, keys: Keys, model: str) -> dict[str, Any]:
+async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
     workers = []
     for wid in await registry.live_workers(redis, keys, model):
         info = await registry.worker_info(redis, keys, wid)
         if info:
             info["id"] = wid
             workers.append(info)
-    meta = await registry.read_meta(redis, keys, model) or {}
+    meta = await registry.read_meta(redis, keys, model)
     streams = {}
-    for stream in keys.streams(model, int(meta.get("shards", 1))):
+    shards = meta["shards"] if meta is not None else 1
+    for stream in keys.streams(model, shards):
         length = await redis.xlen(stream)
         pending = 0
         if length or await redis.exists(stream):
@@ -52,10 +51,13 @@ async def _model(redis: Redis, keys: Keys, model: str) -> dict[str, Any]:
                 pending = int((await redis.xpending(stream, GROUP))["pending"])
             except Exception:
                 pending = 0
-        name = "low" if stream.endswith(":low") else "high:" + stream.rsplit(":", 1)[-1]
-        streams[name] = {"length": length, "pending": pending}
-    raw_stats = await redis.hgetall(keys.stats(model))  # type: ignore[misc]
-    stats = {_s(k): int(v) for k, v in raw_stats.items()}
+        name = keys.parse_stream(stream)
+        streams[f"{name.priority}:{name.shard}"] = {"length": length, "pending": pending}
+    stats: dict[str, int] = {}
+    for shard in range(shards):
+        raw_stats = await redis.hgetall(keys.stats(model, shard))  # type: ignore[misc]
+        for k, v in raw_stats.items():
+            stats[_s(k)] = stats.get(_s(k), 0) + int(v)
     asked = sum(stats.get(k, 0) for k in ("cache_hits", "queued", "joined"))
     worker_hits = sum(int(w.get("cache_hits", 0)) for w in workers)
     kv_reused = sum(int(w.get("kv", {}).get("tokens_reused", 0)) for w in workers)
@@ -73,7 +75,7 @@ async def _model(redis: Redis, keys: Keys, model: str) -> dict[str, Any]:
     }
 
 
-async def _jobs(redis: Redis, keys: Keys) -> dict[str, dict[str, Any]]:
+async def _jobs(redis: AnyRedis, keys: Keys) -> dict[str, dict[str, Any]]:
     jobs: dict[str, dict[str, Any]] = {}
     async for key in redis.scan_iter(match=keys.job_progress("*"), count=500):
         raw = await redis.hgetall(key)  # type: ignore[misc]

@@ -4,8 +4,10 @@ log-probs straight from the logits of each scheduled batch).
 
 SGLang needs CUDA (its kernels ship for sm90/sm100), so this module stays small: it adapts that
 engine to lmpool's backend interface. ``score`` asks for the rows of every continuation prefix
-in one call (SGLang's radix cache makes the shared prefix cheap); ``sample`` is the base class's
-seeded loop, one engine call per token. Install with ``pip install lmpool[sglang]``.
+in one call (SGLang's radix cache makes the shared prefix cheap). ``sample`` is the base class's
+scheduler: the running generations decode together, one ``logprobs`` call (one engine call) per
+step for all of them, each token drawn with its own seeded generator. Install with
+``pip install lmpool[sglang]``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from shared.errors import SettingsError
 from shared.settings import Settings
 from worker.backends.base import Backend, describe_model
-from worker.model_files import converted_gguf, resolve_model
+from worker.model_files import eos_token_ids, model_dir
 
 log = logging.getLogger("lmpool.worker")
 INSTALL_HINT = "the sglang backend needs SGLang and genlm-backend: pip install lmpool[sglang]"
@@ -50,16 +52,11 @@ class SGLangBackend(Backend):
             raise SettingsError("LMPOOL_LORA is not supported by the sglang backend yet")
         if settings.device == "cpu":
             raise SettingsError("the sglang backend runs on CUDA only; use hf or vllm on CPU")
-        source = resolve_model(settings.model)
-        path = converted_gguf(source, Path(settings.cache_dir)) if source.is_file() else source
+        source, path = model_dir(settings)
         self.engine = engine_factory(path, settings)
         self.tokenizer = self.engine.tokenizer
         probe = self.engine.batch_next_token_logprobs_sync([[self._probe_token()]])
         config = _model_config(self.engine)
-        eos = getattr(config, "eos_token_id", None) if config is not None else None
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        if not eos_ids and self.tokenizer.eos_token_id is not None:
-            eos_ids = [self.tokenizer.eos_token_id]
         self.info = describe_model(
             model_setting=settings.model,
             source=source,
@@ -67,7 +64,7 @@ class SGLangBackend(Backend):
             dtype=probe.dtype,
             vocab_size=int(probe.shape[-1]),
             max_length=int(getattr(config, "max_position_embeddings", 0) or 1 << 15),
-            eos_token_ids=[int(i) for i in eos_ids],
+            eos_token_ids=eos_token_ids(path, config, self.tokenizer),
             device=settings.device if settings.device != "auto" else "cuda",
             adapters=[],
         )

@@ -1,0 +1,137 @@
+"""Where each request's time goes: the producer, the worker and Redis profiled under one load.
+
+Starts a private Redis and a mock worker (vocabulary 49,152, one torch thread), then keeps N
+distinct ``next_token_logprobs`` requests in flight from this process for ``--seconds``:
+- producer: cProfile of this process (top functions by own time, per request);
+- worker: ``py-spy record`` of the worker process (``--format raw`` folded stacks; the top
+  frames by own samples are printed, with ``--idle`` off so blocking waits do not count);
+- Redis: ``INFO commandstats`` over the window (calls and microseconds per request).
+
+Writes the raw py-spy output next to ``--out`` when given. Used for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import benchkit
+import redis
+from benchkit import Report, closed_loop
+from reply_paths import VOCAB, lmpool_call
+
+from shared.redis_server import RedisServer
+
+
+def folded_top(path: Path, top: int) -> list[tuple[str, float]]:
+    """Leaf frames of py-spy's folded stacks by share of samples."""
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        leaves[stack.split(";")[-1]] += n
+    return [(frame, n / max(total, 1)) for frame, n in leaves.most_common(top)]
+
+
+def commandstats(r: redis.Redis) -> dict[str, tuple[int, float]]:
+    info: Any = r.info("commandstats")
+    return {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in info.items()}
+
+
+async def run(args: argparse.Namespace, report: Report) -> None:
+    with RedisServer() as server:
+        url = server.url
+        worker = benchkit.Worker(
+            url,
+            extra_env={"OMP_NUM_THREADS": "1"},
+            backend="mock",
+            mock_vocab_size=VOCAB,
+            result_ttl_s=2,
+            torch_threads=1,
+            log_level="WARNING",
+            **dict(s.split("=", 1) for s in args.setting),
+        ).start()
+        lm: Any = None
+        spy: subprocess.Popen[bytes] | None = None
+        raw = Path(args.out).with_suffix(".pyspy.txt") if args.out else None
+        spy_out = raw or Path(tempfile.mkdtemp()) / "pyspy.txt"
+        try:
+            lm = await benchkit.connect_remote_lm(worker, url, f"mock-{VOCAB}", 120, 60)
+            call = lmpool_call(lm)
+            await closed_loop(call, args.in_flight, 0.5, 1.0)  # warm up
+            r = redis.Redis.from_url(url)
+            r.config_resetstat()
+            assert worker.proc is not None
+            py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            spy_args = ["record", "--pid", str(worker.proc.pid), "--format", "raw", "--rate", "500"]
+            spy_args += ["--duration", str(int(args.seconds)), "--output", str(spy_out)]
+            spy = subprocess.Popen(
+                [py_spy, *spy_args, "--nonblocking"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            profiler = cProfile.Profile(time.process_time)  # CPU, not wall-clock, time
+            profiler.enable()
+            cell = await closed_loop(call, args.in_flight, 0.0, args.seconds)
+            profiler.disable()
+            stats = commandstats(r)
+            r.close()
+            spy.wait(timeout=60)
+        finally:
+            if lm is not None:
+                await lm.close()
+            worker.stop()
+    n = max(cell.done, 1)
+    report.line(
+        f"# {args.in_flight} in flight, {args.seconds:g} s: {cell.done} requests, "
+        f"{cell.rate:.0f} req/s, p50 {cell.p(50):.2f} ms; pid {os.getpid()}"
+    )
+    report.line("\n## Redis: INFO commandstats over the window (per request)")
+    report.line(f"{'command':<14} {'calls/req':>9} {'us/req':>8} {'us/call':>8}")
+    for name, (calls, usec) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        report.line(f"{name:<14} {calls / n:>9.2f} {usec / n:>8.1f} {usec / max(calls, 1):>8.1f}")
+    report.line(f"{'total':<14} {'':>9} {sum(u for _, u in stats.values()) / n:>8.1f}")
+    report.line("\n## producer: cProfile, own time per request (top functions)")
+    buf = io.StringIO()
+    ps = pstats.Stats(profiler, stream=buf)
+    rows = sorted(ps.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    total = sum(v[2] for _, v in rows)
+    report.line(f"total own time {1e6 * total / n:.0f} us/req (profiler overhead included)")
+    for (file, line, func), (_, ncalls, tottime, _, _) in rows[: args.top]:
+        where = f"{Path(file).name}:{line}({func})"
+        report.line(f"{1e6 * tottime / n:>8.1f} us/req {ncalls / n:>7.2f} calls/req  {where}")
+    report.line("\n## worker: py-spy, share of busy samples by leaf frame")
+    if spy_out.exists():
+        for frame, share in folded_top(spy_out, args.top):
+            report.line(f"{100 * share:>6.1f}%  {frame}")
+    else:
+        report.line("(py-spy produced no output: is ptrace allowed?)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--in-flight", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--setting", action="append", default=[], help="extra worker setting NAME=VALUE"
+    )
+    benchkit.output_args(parser)
+    return benchkit.run_reported(run, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Finding the pool: settings from arguments and ``LMPOOL_*`` variables, waiting for a live
+worker of the model, and its metadata (which carries everything a producer needs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from shared import registry
+from shared.errors import NoWorker
+from shared.keys import Keys
+from shared.redis_conn import connect_redis, connect_redis_sync, is_cluster_async
+from shared.registry import ModelMeta
+from shared.settings import Settings
+
+
+def resolve_settings(
+    settings: Settings | None,
+    redis_url: str | None,
+    model: str | None,
+    timeout_s: float | None,
+    connect_timeout_s: float | None,
+) -> tuple[Settings, str]:
+    settings = settings or Settings.from_env()
+    changes = {
+        "redis_url": redis_url,
+        "timeout_s": timeout_s,
+        "connect_timeout_s": connect_timeout_s,
+    }
+    settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    return settings, model or settings.served_model_name
+
+
+async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, float]:
+    """Metadata of ``model`` once a live worker serves it, and the Redis clock's offset from
+    this host's (ms); ``NoWorker`` after the timeout."""
+    keys = Keys(settings.key_prefix)
+    await is_cluster_async(settings.redis_url)  # asked once per URL, without blocking the loop
+    redis = connect_redis(settings.redis_url)
+    try:
+        deadline = time.monotonic() + settings.connect_timeout_s
+        while True:
+            if await registry.live_workers(redis, keys, model):
+                meta = await registry.read_meta(redis, keys, model)
+                if meta is not None:
+                    t0 = time.time()
+                    seconds, micros = await redis.time()
+                    offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
+                    return meta, offset
+            if time.monotonic() >= deadline:
+                known = sorted(m.decode() for m in await redis.smembers(keys.models))  # type: ignore[misc]
+                raise _no_worker(settings, model, known)
+            await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
+
+
+def wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, float]:
+    """:func:`wait_for_model`, blocking."""
+    keys = Keys(settings.key_prefix)
+    redis = connect_redis_sync(settings.redis_url)
+    try:
+        deadline = time.monotonic() + settings.connect_timeout_s
+        while True:
+            alive = redis.zrangebyscore(keys.workers(model), registry.now_ms(), "+inf")
+            raw: Any = redis.hgetall(keys.meta(model)) if alive else None
+            if raw:
+                t0 = time.time()
+                seconds, micros = redis.time()
+                offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
+                return registry.parse_meta(raw), offset
+            if time.monotonic() >= deadline:
+                known = sorted(m.decode() for m in redis.smembers(keys.models))
+                raise _no_worker(settings, model, known)
+            time.sleep(0.1)
+    finally:
+        redis.close()
+
+
+def _no_worker(settings: Settings, model: str, known: list[str]) -> NoWorker:
+    return NoWorker(
+        f"no live worker serves model {model!r} on {_safe_url(settings.redis_url)} "
+        f"after {settings.connect_timeout_s:g}s; models seen: {known or 'none'}. "
+        f"Start one: LMPOOL_MODEL=... arq worker.WorkerSettings"
+    )
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

@@ -1,0 +1,52 @@
+"""What callers hand ``RemoteLM``, checked and normalized before anything is sent."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.errors import InvalidRequest
+
+
+def token_array(token_ids: Any, vocab_size: int) -> np.ndarray:
+    """Token ids as a little-endian int32 array, checked in time linear in their number.
+
+    Accepts what genlm-backend accepts (Python ints, numpy integers, 0-d integer tensors, in a
+    list or tuple) and 1-D integer arrays and tensors; anything else raises ``InvalidRequest``.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        arr = token_ids.detach().cpu().numpy()
+    elif isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    else:
+        try:
+            arr = np.asarray(token_ids)
+        except (ValueError, TypeError, OverflowError, RuntimeError) as e:
+            raise InvalidRequest(f"token ids must be a flat sequence of integers: {e}") from None
+    if arr.ndim != 1:
+        raise InvalidRequest(f"token ids must be one flat sequence, not of shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidRequest("empty prompt: at least one token id is needed")
+    if arr.dtype.kind not in "iu":
+        bad = next((x for x in arr.tolist() if type(x) is not int), arr[0])
+        raise InvalidRequest(f"token id {bad!r} is not an integer in [0, {vocab_size})")
+    outside = (arr < 0) | (arr >= vocab_size)
+    if outside.any():
+        bad = arr[int(np.argmax(outside))]
+        raise InvalidRequest(f"token id {int(bad)} is not an integer in [0, {vocab_size})")
+    return arr.astype("<i4", copy=False)
+
+
+def sample_params(
+    max_tokens: int, eos_token_ids: Sequence[int], temperature: float, seed: int | None
+) -> dict[str, Any]:
+    return {
+        "max_tokens": int(max_tokens),
+        "eos": [int(t) for t in eos_token_ids],
+        "temperature": float(temperature),
+        "seed": int(seed) if seed is not None else secrets.randbits(62),
+    }

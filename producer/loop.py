@@ -1,0 +1,385 @@
+"""One event loop's share of a :class:`producer.client.PoolClient`: created in that loop by its
+first request, used only from it, dropped when the loop ends.
+
+Every request made on one event-loop tick goes to Redis in one SUBMIT script call per shard (a
+pipeline when they span shards); a result that already exists is read with GET. One listener
+task pops replies from the loop's own reply list with ``BLMPOP`` (many per round trip); a reply
+without an inline result names a digest whose result the listener then reads with ``GET`` (one
+pipeline per batch of replies). Identical requests in flight share one submission. A
+housekeeping task, ten times a second, fails what passed its deadline and re-submits what waited
+``LMPOOL_RESEND_S`` (a no-op unless Redis lost the message): no timer per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from producer.submit import LISTEN_BLOCK_S, REPLIES_PER_POP, Prepared, Submitter
+from shared import protocol
+from shared.errors import Expired, LMPoolError, ProtocolError, QueueFull, RequestTimeout
+from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis
+from shared.scripts import SUBMIT_SCRIPT, execute, run_script
+
+if TYPE_CHECKING:
+    from producer.client import PoolClient
+
+log = logging.getLogger("lmpool.producer")
+HOUSEKEEPING_S = 0.1
+"""How often deadlines and re-submissions are checked (a request times out this late at most)."""
+
+
+@dataclass(eq=False)
+class Pending:
+    """One digest this loop waits for, and every caller waiting on it."""
+
+    prepared: Prepared
+    deadline: float
+    """Loop time after which the last of its callers gives up."""
+    timeout_s: float
+    futures: list[asyncio.Future[bytes]] = field(default_factory=list)
+    sent_at: float = 0.0
+    force: bool = False
+    """Its next submission adds the message even if the digest is marked in flight."""
+
+
+class LoopState:
+    """Everything one event loop needs: created in that loop, used only from it."""
+
+    def __init__(self, client: PoolClient, loop: asyncio.AbstractEventLoop, index: int) -> None:
+        self.client = client
+        self.loop = loop
+        s = client.settings
+        self.redis: AnyRedis = connect_redis(s.redis_url)
+        self.listen_redis: AnyRedis = connect_redis(s.redis_url, socket_timeout=LISTEN_BLOCK_S + 10)
+        self.submitter = Submitter(client, client.keys.reply(f"{client.client_id}-{index}"))
+        self.pending: dict[str, Pending] = {}
+        self.queue: list[Pending] = []
+        self.flush_scheduled = False
+        self.slots = asyncio.Semaphore(s.max_in_flight)
+        self.closing = False
+        self.dead: str | None = None
+        """Why this state can no longer serve (set when its loop ends or it is closed)."""
+        self.backoff = Backoff()
+        self.listener = loop.create_task(self._listen(), name="lmpool-listener")
+        self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
+        self.listener.add_done_callback(self._listener_done)
+        self.background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def reply_key(self) -> str:
+        return self.submitter.reply_key
+
+    # -- requests ---------------------------------------------------------------------------
+    async def request(self, prepared: Prepared, timeout_s: float) -> bytes:
+        if self.dead is not None:
+            raise LMPoolError(self.dead)
+        loop = self.loop
+        p = self.pending.get(prepared.digest)
+        if p is None:
+            await self.slots.acquire()
+            if self.dead is not None:
+                self.slots.release()
+                raise LMPoolError(self.dead)
+            p = self.pending.get(prepared.digest)
+            if p is None:
+                p = Pending(prepared, loop.time() + timeout_s, timeout_s)
+                self.pending[prepared.digest] = p
+                self._enqueue(p)
+            else:
+                self.slots.release()
+        if loop.time() + timeout_s > p.deadline:
+            p.deadline, p.timeout_s = loop.time() + timeout_s, timeout_s
+        fut: asyncio.Future[bytes] = loop.create_future()
+        p.futures.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut in p.futures:
+                p.futures.remove(fut)
+            if not p.futures and self.pending.get(p.prepared.digest) is p:
+                self._forget(p)
+                if not self.closing:
+                    self._spawn(self._leave(p.prepared))
+            raise
+
+    def _expire(self, p: Pending) -> None:
+        if self.pending.get(p.prepared.digest) is not p:
+            return
+        self._forget(p)
+        self._spawn(self._time_out(p))
+
+    async def _time_out(self, p: Pending) -> None:
+        state = await self.client.queue_state(self.redis)
+        error = RequestTimeout(
+            f"no answer from model {self.client.model!r} within {p.timeout_s:g}s ({state})"
+        )
+        self._settle(p, error=error)
+        await self._leave(p.prepared)
+
+    async def _leave(self, prepared: Prepared) -> None:
+        """Stop waiting for a digest: workers skip it when nobody else waits."""
+        c = self.client
+        with contextlib.suppress(Exception):
+            key = c.keys.waiters(c.model, prepared.shard, prepared.digest)
+            await self.redis.srem(key, self.reply_key)  # type: ignore[misc]
+
+    def _forget(self, p: Pending) -> None:
+        if self.pending.get(p.prepared.digest) is p:
+            del self.pending[p.prepared.digest]
+            self.slots.release()
+
+    def _settle(
+        self, p: Pending, result: bytes | None = None, error: BaseException | None = None
+    ) -> None:
+        self._forget(p)
+        for fut in p.futures:
+            if fut.done():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)  # type: ignore[arg-type]
+        p.futures.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    # -- submitting -----------------------------------------------------------------------
+    def _enqueue(self, p: Pending, force: bool = False) -> None:
+        p.sent_at = self.loop.time()
+        p.force = p.force or force
+        self.queue.append(p)
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self._spawn(self._flush())
+
+    def _deadline_ms(self, p: Pending) -> int:
+        return int(self.client.redis_now_ms() + 1000 * (p.deadline - self.loop.time()))
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let every request of this tick join the pipeline
+        batch = [p for p in self.queue if self.pending.get(p.prepared.digest) is p]
+        self.queue = []
+        self.flush_scheduled = False
+        if not batch:
+            return
+        by_digest = {p.prepared.digest: p for p in batch}
+        items = [(p.prepared, self._deadline_ms(p), p.force) for p in batch]
+        for p in batch:
+            p.force = False
+        calls = self.submitter.calls(items)
+        try:
+            if len(calls) == 1:  # the usual case: no pipeline object needed
+                _, keys, args = calls[0]
+                answers = [await run_script(self.redis, SUBMIT_SCRIPT, keys, args)]
+            else:
+
+                def build(pipe: Any) -> None:
+                    for _, keys, args in calls:
+                        SUBMIT_SCRIPT.queue(pipe, keys, args)
+
+                answers = await execute(self.redis, build, [SUBMIT_SCRIPT], raise_on_error=False)
+        except TRANSIENT as e:
+            # Redis unreachable: keep the requests; they go again until their own deadline.
+            wait = self.backoff.step()
+            log.warning("cannot submit to Redis (%r); retrying in %.2fs", e, wait)
+            await asyncio.sleep(wait)
+            for p in batch:
+                self._enqueue(p)
+            return
+        except Exception as e:  # never leave a caller waiting for a submission that failed
+            log.exception("submitting %d request(s) failed", len(batch))
+            for p in batch:
+                self._settle(p, error=LMPoolError(f"submitting the request failed: {e!r}"))
+            return
+        self.backoff.reset()
+        fetch = []
+        for prepared, outcome in Submitter.outcomes(calls, answers):
+            p = by_digest[prepared.digest]
+            if self.pending.get(prepared.digest) is not p:
+                continue
+            if outcome == "fetch":
+                fetch.append(prepared.digest)
+            elif outcome == "full":
+                s = self.client.settings
+                self._settle(p, error=QueueFull(
+                    f"queue of model {self.client.model!r} holds LMPOOL_MAX_QUEUE="
+                    f"{s.max_queue} requests; retry later"
+                ))  # fmt: skip
+            elif isinstance(outcome, TRANSIENT):
+                self._enqueue(p)
+            elif isinstance(outcome, Exception):
+                self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
+        if fetch:
+            await self._fetch(fetch)
+
+    async def _fetch(self, digests: list[str]) -> None:
+        """Read the results of ``digests`` from the cache and hand them over; one that is gone
+        (evicted or expired since) is submitted again."""
+        c = self.client
+        wanted = [self.pending[d] for d in digests if d in self.pending]
+        if not wanted:
+            return
+        keys = [c.keys.result(c.model, p.prepared.shard, p.prepared.digest) for p in wanted]
+        try:
+            if len(keys) == 1:
+                values = [await self.redis.get(keys[0])]
+            else:
+                pipe = self.redis.pipeline(transaction=False)
+                for key in keys:
+                    pipe.get(key)
+                values = await pipe.execute()
+        except TRANSIENT:
+            for p in wanted:
+                self._enqueue(p)
+            return
+        for p, value in zip(wanted, values, strict=True):
+            if self.pending.get(p.prepared.digest) is not p:
+                continue
+            if value is None:
+                self._enqueue(p, force=True)  # evicted, or lost in a failover: compute again
+            else:
+                self._settle(p, value)
+
+    async def _housekeep(self) -> None:
+        """Time out what passed its deadline; re-submit what has waited ``resend_s`` (a no-op
+        unless Redis lost the message)."""
+        resend_s = self.client.settings.resend_s
+        while not self.closing:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = self.loop.time()
+            queued = {id(p) for p in self.queue}
+            for p in list(self.pending.values()):
+                if now >= p.deadline:
+                    self._expire(p)
+                elif p.futures and now - p.sent_at >= resend_s and id(p) not in queued:
+                    self._enqueue(p, force=True)
+
+    # -- replies --------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        backoff = Backoff()
+        me = asyncio.current_task()
+        try:
+            while not self.closing:
+                if _cancelling(me):
+                    # redis-py (asyncio.wait_for on Python 3.11) can swallow a cancel: the
+                    # loop ending under us must still end this task
+                    raise asyncio.CancelledError
+                try:
+                    popped = await self.listen_redis.blmpop(  # type: ignore[misc]
+                        LISTEN_BLOCK_S,
+                        1,
+                        self.reply_key,  # type: ignore[arg-type]
+                        direction="LEFT",
+                        count=REPLIES_PER_POP,
+                    )
+                    backoff.reset()
+                except TRANSIENT as e:
+                    if self.closing:
+                        return
+                    wait = backoff.step()
+                    log.warning("reply listener lost Redis (%r); reconnecting in %.2fs", e, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                if popped:
+                    fetch = self._deliver(popped[1])
+                    if fetch:
+                        await self._fetch(fetch)
+        except asyncio.CancelledError:
+            if not self.closing:  # the loop is ending (asyncio.run returns): let go of it all
+                await self._teardown("the event loop this request ran in ended")
+            raise
+
+    def _deliver(self, raws: list[bytes]) -> list[str]:
+        """Settle what the replies answer; returns the digests whose results are to be read."""
+        fetch = []
+        for raw in raws:
+            try:
+                digest, outcome = protocol.decode_reply(raw)
+            except ProtocolError:
+                log.exception("undecodable reply ignored")
+                continue
+            p = self.pending.get(digest)
+            if p is None:
+                continue  # answered from the cache already, or given up on
+            if outcome is None:
+                fetch.append(digest)
+            elif isinstance(outcome, Expired) and self.loop.time() < p.deadline:
+                self._enqueue(p, force=True)  # dropped on an earlier asker's deadline
+            elif isinstance(outcome, BaseException):
+                self._settle(p, error=outcome)
+            else:
+                self._settle(p, outcome)
+        return fetch
+
+    def _listener_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self.closing:
+            return
+        error = task.exception()
+        reason = f"the reply listener stopped: {error!r}"
+        log.error("%s; failing this loop's requests", reason)
+        self.dead = reason
+        self.client._drop(self)
+        for p in list(self.pending.values()):
+            self._settle(p, error=LMPoolError(reason))
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def fail_all(self, error: BaseException) -> None:
+        for p in list(self.pending.values()):
+            self._settle(p, error=error)
+
+    async def _teardown(self, reason: str) -> None:
+        """Forget everything (in this loop's last moments): cancel waiters, close clients."""
+        self.closing = True
+        self.dead = reason
+        self.client._drop(self)
+        pending = list(self.pending.values())
+        for p in pending:
+            self._forget(p)
+            for fut in p.futures:
+                fut.cancel()
+        with contextlib.suppress(Exception):
+            await self._tidy(pending)
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+            await self.listen_redis.aclose()
+
+    async def _tidy(self, pending: list[Pending]) -> None:
+        c = self.client
+        pipe = self.redis.pipeline(transaction=False)
+        for p in pending:
+            pipe.srem(c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest), self.reply_key)
+        pipe.delete(self.reply_key)
+        await pipe.execute()
+
+    async def close(self, reason: str) -> None:
+        """Fail what waits, stop the tasks, tidy Redis, close the clients (in this loop)."""
+        if self.closing:
+            return
+        self.closing = True
+        self.dead = reason
+        pending = list(self.pending.values())
+        self.fail_all(LMPoolError(reason))
+        tasks = [self.listener, self.keeper, *self.background]
+        current = asyncio.current_task()
+        tasks = [t for t in tasks if t is not current and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:  # a task blocked inside redis-py may swallow one cancel: do not wait forever
+            await asyncio.wait(tasks, timeout=5)
+        with contextlib.suppress(Exception):
+            await self._tidy(pending)
+        await self.redis.aclose()
+        await self.listen_redis.aclose()
+
+
+def _cancelling(task: asyncio.Task[Any] | None) -> bool:
+    """Whether ``task`` was asked to cancel (Python >= 3.11 counts it even if swallowed)."""
+    counter = getattr(task, "cancelling", None)
+    return bool(counter()) if counter is not None else False

@@ -1,0 +1,71 @@
+"""Writing the output and resuming it: lock, repair after a kill, the ids already done."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from producer.scoring.files import OutputError, read_jsonl, shard_dir
+from producer.scoring.options import Key, ScoreOptions
+from producer.scoring.shards import ShardStore
+
+
+class Output:
+    """The output of one run: locked, repaired, and the ids already done."""
+
+    def __init__(self, path: str | os.PathLike[str], options: ScoreOptions, vocab_size: int):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        try:
+            _lock(self.file, self.path)
+            records = read_jsonl(self.path, repair=True)
+            for record in records:
+                if options.signature not in record:
+                    raise OutputError(
+                        f"{self.path} holds results of another mode (a line without "
+                        f"{options.signature!r}); pick another output or that mode"
+                    )
+            if records and options.top_k is not None:
+                k = min(options.top_k, vocab_size)
+                if len(records[0]["top_ids"]) != k:
+                    raise OutputError(f"{self.path} holds top-{len(records[0]['top_ids'])} lines")
+            self.done: set[Key] = {r["id"] for r in records}
+            self.shards = (
+                ShardStore(shard_dir(self.path), vocab_size, options.shard_rows, records)
+                if options.full_vectors
+                else None
+            )
+        except BaseException:
+            self.file.close()
+            raise
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
+        self.file.write(line)
+        self.file.flush()
+
+    def write_vector(self, key: Key, row: np.ndarray) -> None:
+        assert self.shards is not None
+        shard, index = self.shards.append(row)
+        self.write({"id": key, "shard": shard, "row": index})
+
+    def close(self) -> None:
+        if self.shards is not None:
+            self.shards.close()
+        self.file.close()
+
+
+def _lock(f: IO[bytes], path: Path) -> None:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OutputError(f"another lmpool-score run is writing {path}") from None

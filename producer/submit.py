@@ -1,0 +1,183 @@
+"""What the event-loop and blocking paths share: a request ready to send, the SUBMIT calls
+that send it (one per shard), reading their answers; and the blocking path itself.
+
+A blocking caller (no running loop, or a ``*_sync`` method) gets a :class:`SyncState` per
+thread: its own synchronous client and reply list, so it never touches an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import NoScriptError
+
+from shared import protocol
+from shared.errors import Expired, LMPoolError, QueueFull, RequestTimeout
+from shared.redis_conn import connect_redis_sync
+from shared.scripts import SUBMIT_SCRIPT
+
+if TYPE_CHECKING:
+    from producer.client import PoolClient
+
+LISTEN_BLOCK_S = 1.0
+"""Longest blocking pop of replies (also how soon a closed listener notices)."""
+REPLIES_PER_POP = 512
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A request ready to submit: its digest, shard, and the message fields."""
+
+    digest: str
+    shard: int
+    request: protocol.Request
+
+    def message(self, deadline_ms: int) -> bytes:
+        self.request["deadline_ms"] = deadline_ms
+        return protocol.encode_request(self.request)
+
+
+class Submitter:
+    """What the async and blocking paths share: the SUBMIT calls and reading their answers."""
+
+    def __init__(self, client: PoolClient, reply_key: str) -> None:
+        self.client = client
+        self.reply_key = reply_key
+
+    def calls(
+        self, items: list[tuple[Prepared, int, bool]]
+    ) -> list[tuple[list[Prepared], list[str], list[Any]]]:
+        """One SUBMIT call per shard for ``(prepared, deadline_ms, force)`` items:
+        ``(requests, keys, args)``."""
+        c = self.client
+        s = c.settings
+        ttl_ms = int(s.timeout_s * 1000) + 5_000
+        groups: dict[int, list[tuple[Prepared, int, bool]]] = defaultdict(list)
+        for item in items:
+            groups[item[0].shard].append(item)
+        out = []
+        for shard, group in groups.items():
+            args: list[Any] = [*c.keys.digest_prefixes(c.model, shard)]
+            args += [self.reply_key, ttl_ms, ttl_ms, s.max_queue]
+            for p, deadline_ms, force in group:
+                args += [p.digest, int(force), p.message(deadline_ms)]
+            keys = [c.keys.stats(c.model, shard), c.stream_of(shard)]
+            out.append(([p for p, _, _ in group], keys, args))
+        return out
+
+    @staticmethod
+    def outcomes(
+        calls: list[tuple[list[Prepared], list[str], list[Any]]], answers: list[Any]
+    ) -> Iterable[tuple[Prepared, Any]]:
+        """``(prepared, outcome)``: ``"fetch"`` (the result exists: read it), ``"wait"``,
+        ``"full"``, or the error of its call."""
+        for (group, _, _), codes in zip(calls, answers, strict=True):
+            for j, p in enumerate(group):
+                if isinstance(codes, Exception):
+                    yield p, codes
+                else:
+                    yield p, ("wait", "fetch", "full")[int(codes[j])]
+
+
+class SyncState:
+    """Blocking requests for one thread: its own synchronous client and reply list."""
+
+    def __init__(self, client: PoolClient) -> None:
+        self.client = client
+        self.redis = connect_redis_sync(client.settings.redis_url)
+        self.submitter = Submitter(
+            client, client.keys.reply(f"{client.client_id}-t{uuid.uuid4().hex[:8]}")
+        )
+
+    def request_many(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
+        c = self.client
+        deadline = time.monotonic() + timeout_s
+        wanted = {p.digest: p for p in items}
+        results: dict[str, bytes] = {}
+        self._submit(list(wanted.values()), timeout_s, results)
+        waiting = set(wanted) - set(results)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(f"no answer from model {c.model!r} within {timeout_s:g}s")
+            popped = self.redis.blmpop(
+                min(left, LISTEN_BLOCK_S),
+                1,
+                self.submitter.reply_key,
+                direction="LEFT",
+                count=REPLIES_PER_POP,
+            )
+            fetch, again = [], []
+            for raw in popped[1] if popped else []:
+                digest, outcome = protocol.decode_reply(raw)
+                if digest not in waiting:
+                    continue
+                if isinstance(outcome, Expired):
+                    again.append(wanted[digest])  # an earlier asker's deadline: ours is later
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                elif outcome is None:
+                    fetch.append(digest)
+                else:
+                    results[digest] = outcome
+            self._fetch(fetch, wanted, results)
+            if again:
+                self._submit(again, deadline - time.monotonic(), results, force=True)
+            waiting = set(wanted) - set(results)
+        return results
+
+    def _submit(
+        self,
+        items: list[Prepared],
+        timeout_s: float,
+        results: dict[str, bytes],
+        force: bool = False,
+    ) -> None:
+        """Submit ``items``; results already cached go straight into ``results``."""
+        c = self.client
+        deadline_ms = int(c.redis_now_ms() + 1000 * timeout_s)
+        calls = self.submitter.calls([(p, deadline_ms, force) for p in items])
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            for _, keys, args in calls:
+                SUBMIT_SCRIPT.queue(pipe, keys, args)
+            answers = pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(a, NoScriptError) for a in answers):
+                SUBMIT_SCRIPT.load_sync(self.redis)
+                continue
+            break
+        fetch = []
+        for p, outcome in Submitter.outcomes(calls, answers):
+            if outcome == "fetch":
+                fetch.append(p.digest)
+            elif outcome == "full":
+                raise QueueFull(f"queue of model {c.model!r} is full; retry later")
+            elif isinstance(outcome, Exception):
+                raise LMPoolError(f"submit failed: {outcome!r}")
+        self._fetch(fetch, {p.digest: p for p in items}, results)
+
+    def _fetch(
+        self, digests: list[str], wanted: dict[str, Prepared], results: dict[str, bytes]
+    ) -> None:
+        if not digests:
+            return
+        c = self.client
+        keys = [c.keys.result(c.model, wanted[d].shard, d) for d in digests]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        for digest, value in zip(digests, pipe.execute(), strict=True):
+            if value is None:
+                raise LMPoolError(f"result {digest} vanished from the cache before it was read")
+            results[digest] = value
+
+    def close(self) -> None:
+        try:
+            self.redis.delete(self.submitter.reply_key)
+        finally:
+            self.redis.close()

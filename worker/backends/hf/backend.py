@@ -1,0 +1,249 @@
+"""transformers backend: batched, left-padded forward passes; the LM head on the last position only.
+
+genlm-backend computes the LM head and a log-softmax row for every prompt position; a
+next-token request needs only the last one, which saves a vocabulary-sized matmul per token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any, cast
+
+import torch
+
+from shared.settings import Settings
+from worker.backends.base import Backend, describe_model
+from worker.backends.hf import attention
+from worker.backends.hf.kv_cache import KVCache, UnsupportedModel
+from worker.model_files import eos_token_ids, model_dir
+
+log = logging.getLogger("lmpool.worker")
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def pick_dtype(setting: str, device: torch.device, model_dtype: Any) -> torch.dtype:
+    """float32 on CPU; the checkpoint's own dtype on GPU, unless set."""
+    if setting != "auto":
+        # one of shared.settings.DTYPES, checked at start-up
+        return cast(torch.dtype, getattr(torch, setting))
+    if device.type == "cpu":
+        return torch.float32
+    return model_dtype if isinstance(model_dtype, torch.dtype) else torch.bfloat16
+
+
+class HFBackend(Backend):
+    name = "hf"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        source, path = model_dir(settings)
+        config = AutoConfig.from_pretrained(path)
+        self.device = pick_device(settings.device)
+        if self.device.type == "cuda":
+            # cuDNN's attention builds a plan per new shape on first use (seconds on an H100),
+            # and KV-cache batches have new shapes all the time; flash attention does not.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.dtype = pick_dtype(settings.dtype, self.device, getattr(config, "dtype", None))
+        model_kwargs: dict[str, Any] = {"dtype": self.dtype}
+        model_kwargs.update(quantization_kwargs(settings.quantization, self.device, self.dtype))
+        self.model: Any = cast(Any, AutoModelForCausalLM).from_pretrained(path, **model_kwargs)
+        if "quantization_config" not in model_kwargs:
+            self.model.to(self.device)
+        self.model.eval()
+        if self.device.type == "cpu":
+            attention.use_on(self.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.adapters = load_adapters(self, settings.lora_adapters())
+        eos_ids = eos_token_ids(path, config, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id or (eos_ids[0] if eos_ids else 0)
+        vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.info = describe_model(
+            model_setting=settings.model,
+            source=source,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            vocab_size=vocab_size,
+            max_length=int(getattr(config, "max_position_embeddings", 2048) or 2048),
+            eos_token_ids=eos_ids,
+            device=str(self.device),
+            adapters=sorted(self.adapters),
+            # quantized weights give other results: other cache entries
+            variant="" if settings.quantization == "none" else f"-bnb{settings.quantization}",
+        )
+        log.info("loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size)
+        self.kv_cache: KVCache | None = None
+        if settings.kv_cache_mb > 0:
+            try:
+                self.kv_cache = KVCache(self.model, settings.kv_cache_mb << 20, self.pad_id)
+            except UnsupportedModel as e:
+                log.warning("kv cache off for %s: %s", source, e)
+
+    def _forward(self, prompts: list[list[int]], lora: str | None, keep: int = 1) -> torch.Tensor:
+        """Logits of the last ``keep`` positions of each left-padded prompt, ``[N, keep, V]``."""
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        self._select_adapter(lora)
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids.to(self.device)}
+        if any(len(p) != width for p in prompts):
+            # Without padding, no mask: the unmasked attention path is bit-identical to a
+            # forward of each prompt alone, which a mask (even all ones) is not.
+            inputs["attention_mask"] = mask.to(self.device)
+            inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(self.device)
+        with torch.inference_mode():
+            out = self.model(**inputs, use_cache=False, logits_to_keep=keep)
+        return cast(torch.Tensor, out.logits)
+
+    def _select_adapter(self, lora: str | None) -> None:
+        if not self.adapters:
+            return
+        if lora is None:
+            self.model.base_model.disable_adapter_layers()
+        else:
+            self.model.base_model.enable_adapter_layers()
+            self.model.set_adapter(lora)
+
+    def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        """With ``kv_cache_mb > 0`` only tokens past each prompt's cached prefix run (one trie
+        per adapter); otherwise every prompt runs whole."""
+        self._count(prompts)
+        if self.kv_cache is None:
+            logits = self._forward(prompts, lora)[:, -1, :]
+        else:
+            self._select_adapter(lora)
+            logits = self.kv_cache.last_logits(prompts, namespace=lora)
+        return torch.log_softmax(logits.float(), dim=-1).to(self.dtype)
+
+    def kv_stats(self) -> dict[str, int]:
+        """The kv cache's counters (all zero when it is off)."""
+        if self.kv_cache is None:
+            return dict.fromkeys(KVCache.STAT_NAMES, 0)
+        return self.kv_cache.stats()
+
+    def pin_prefix(self, ids: list[int], lora: str | None = None) -> bool:
+        """Compute ``ids`` into the kv cache and keep it from eviction (a ``cache_kv`` hint).
+
+        False when the cache is off or the prefix does not fit in its budget.
+        """
+        if self.kv_cache is None:
+            return False
+        self._select_adapter(lora)
+        try:
+            self.kv_cache.pin(ids, namespace=lora)
+        except ValueError as e:
+            log.warning("not pinned: %s", e)
+            return False
+        return True
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter next to the others (peft's ``load_adapter``)."""
+        from peft import PeftModel
+
+        if name in self.adapters:
+            self.remove_lora(name)
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(path, adapter_name=name)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        self.model.eval()
+        self.adapters.add(name)
+        self.info.adapters = sorted(self.adapters)
+
+    def remove_lora(self, name: str) -> bool:
+        if name not in self.adapters:
+            return False
+        self.adapters.discard(name)
+        self.info.adapters = sorted(self.adapters)
+        if self.adapters:
+            self.model.delete_adapter(name)
+        else:  # peft keeps at least one adapter: unwrap the base model instead
+            self.model = self.model.unload()
+        if self.kv_cache is not None:
+            self.kv_cache.drop(name)
+        return True
+
+    def unpin_prefix(self, ids: list[int], lora: str | None = None) -> bool:
+        if self.kv_cache is None:
+            return False
+        return self.kv_cache.unpin(ids, namespace=lora)
+
+    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+        (out,) = self.score_many([(prompt, continuation)], lora)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def score_many(
+        self, items: list[tuple[list[int], list[int]]], lora: str | None
+    ) -> list[torch.Tensor | BaseException]:
+        """One left-padded forward for every ``(prompt, continuation)``, keeping the logits of
+        the last ``max(len(continuation)) + 1`` positions."""
+        full = [p + c for p, c in items]
+        self._count(full)
+        keep = max(len(c) for _, c in items) + 1
+        logits = self._forward(full, lora, keep=keep)
+        out: list[torch.Tensor | BaseException] = []
+        for row, (_, cont) in zip(logits, items, strict=True):
+            if not cont:
+                out.append(torch.zeros(0))
+                continue
+            picked = row[keep - len(cont) - 1 : keep - 1].float()
+            logp = torch.log_softmax(picked, dim=-1)
+            index = torch.tensor(cont, device=logp.device)[:, None]
+            out.append(logp.gather(1, index)[:, 0].cpu())
+        return out
+
+    def close(self) -> None:
+        del self.model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def quantization_kwargs(mode: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """bitsandbytes loading options for ``LMPOOL_QUANTIZATION`` (genlm's ``bitsandbytes_opts``).
+
+    8-bit is LLM.int8(); 4-bit is NF4 computing in the worker's dtype. Both run on CUDA and,
+    with bitsandbytes >= 0.45, on CPU.
+    """
+    if mode == "none":
+        return {}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"LMPOOL_QUANTIZATION={mode} needs bitsandbytes: pip install lmpool[bnb]")
+    from transformers import BitsAndBytesConfig
+
+    if mode == "8bit":
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    return {"quantization_config": config, "device_map": str(device)}
+
+
+def load_adapters(backend: HFBackend, adapters: dict[str, str]) -> set[str]:
+    """Load each ``name=path`` LoRA adapter with peft; a request picks one by name."""
+    if not adapters:
+        return set()
+    try:
+        from peft import PeftModel
+    except ImportError as e:  # pragma: no cover - peft is a declared dependency of LoRA use
+        raise ImportError("LoRA adapters need peft: pip install peft") from e
+    items = list(adapters.items())
+    first_name, first_path = items[0]
+    model = PeftModel.from_pretrained(backend.model, first_path, adapter_name=first_name)
+    for name, path in items[1:]:
+        model.load_adapter(path, adapter_name=name)
+    model.eval()
+    backend.model = model
+    return set(adapters)

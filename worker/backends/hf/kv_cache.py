@@ -1,0 +1,330 @@
+"""Key/value cache of earlier prompts for the hf backend: compute only the tokens not seen yet.
+
+The key/values live in a token trie (:mod:`.kv_trie`: one radix trie per namespace, shared
+prefixes stored once, LRU eviction in bytes, pins); this module computes what it lacks.
+
+Every forward pass stores its new positions automatically. A request reuses the deepest cached
+prefix (a match may end inside a segment) and runs only the rest; a batch mixes rows with
+different cached lengths: pasts are gathered into a zero-padded ``[rows, past + new]`` buffer
+per side (a ``DynamicCache`` whose layers write the new positions into it in place, so pasts
+are copied once, not concatenated again), new tokens are right-padded after the past, and the
+attention mask and position ids (``cached + j``) make each row see exactly its own tokens.
+Rows are grouped by new length so a cold prompt does not pad the one-token SMC rows, and an
+uncached prefix shared by several rows of a batch is run once first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from worker.backends.hf.kv_trie import KVTrie, Node, Row, ancestry, lcp
+
+SHARE_MIN_TOKENS = 16
+"""An uncached prefix shared by rows of one batch is run once, first, when at least this long."""
+PAD_WASTE = 2.0
+"""A forward group's padded new tokens stay under ``PAD_WASTE`` x its real ones (plus slack)."""
+PAD_SLACK = 32
+
+
+class UnsupportedModel(Exception):
+    """The model's cache is not a plain full-attention ``DynamicCache`` of uniform layers."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def token_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
+
+
+@dataclass
+class _Plan:
+    """One unique row of a batch: reuse ``cached`` tokens from ``pieces``, run the rest."""
+
+    row: Row
+    cached: int
+    pieces: list[tuple[torch.Tensor, torch.Tensor, int]]
+
+    @property
+    def new(self) -> int:
+        return len(self.row) - self.cached
+
+
+def describe_model(model: Any) -> _Layout:
+    """Check that the cache can serve ``model`` and return its key/value layout.
+
+    Raises ``UnsupportedModel`` for sliding-window, chunked, linear-attention or KV-sharing
+    layers, and for layers of different shapes.
+    """
+    cache = DynamicCache(config=model.config)
+    odd = sorted(
+        {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    )
+    if odd:
+        raise UnsupportedModel(f"cache layers {odd} are not plain full attention")
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(
+            input_ids=torch.zeros((1, 2), dtype=torch.long, device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    layers = out.past_key_values.layers
+    shapes = {
+        (
+            tuple(layer.keys.shape[:2]),
+            layer.keys.shape[-1],
+            layer.values.shape[-1],
+            layer.keys.shape[-2],
+            layer.keys.dtype,
+        )
+        for layer in layers
+        if getattr(layer, "is_initialized", False)
+    }
+    if len(shapes) != 1 or not all(getattr(layer, "is_initialized", False) for layer in layers):
+        raise UnsupportedModel("layers hold key/values of different shapes")
+    (_, heads), key_dim, value_dim, _, dtype = next(iter(shapes))
+    return _Layout(len(layers), heads, key_dim, value_dim, dtype, layers[0].keys.device)
+
+
+class KVCache(KVTrie):
+    """Token-trie key/value cache wrapped around a causal LM; see the module docstring.
+
+    ``last_logits`` is the only compute entry point. Counters (cumulative unless noted):
+    ``tokens_requested`` (prompt tokens asked for, duplicates included), ``tokens_reused``
+    (served from the cache or from a duplicate in the same batch), ``tokens_computed`` (run
+    through the model, shared-prefix passes included), ``bytes_used`` and ``entries`` (now).
+    """
+
+    STAT_NAMES = (
+        "tokens_requested",
+        "tokens_reused",
+        "tokens_computed",
+        "bytes_used",
+        "budget_bytes",
+        "pinned_bytes",
+        "entries",
+        "forward_passes",
+        "evictions",
+    )
+
+    def __init__(self, model: Any, budget_bytes: int, pad_id: int) -> None:
+        super().__init__(budget_bytes)
+        self.model = model
+        self.config = model.config
+        self.layout = describe_model(model)
+        self.pad_id = int(pad_id)
+        self.tokens_requested = 0
+        self.tokens_reused = 0
+        self.tokens_computed = 0
+        self.forward_passes = 0
+
+    # -- public API ---------------------------------------------------------------------
+    def last_logits(
+        self, prompts: Sequence[Sequence[int]], namespace: Hashable = None
+    ) -> torch.Tensor:
+        """Logits at the last position of each prompt, ``[len(prompts), vocab]``.
+
+        The caller selects the adapter that ``namespace`` names before calling.
+        """
+        rows = [tuple(p) for p in prompts]
+        if not rows or not all(rows):
+            raise ValueError("every prompt needs at least one token")
+        with self._lock:
+            unique = list(dict.fromkeys(rows))
+            self.tokens_requested += sum(map(len, rows))
+            self.tokens_reused += sum(map(len, rows)) - sum(map(len, unique))
+            logits = self._compute(self._root(namespace), unique, count=True)
+        index = {row: i for i, row in enumerate(unique)}
+        stacked = torch.stack(logits)
+        if len(unique) == len(rows):
+            return stacked
+        return stacked[torch.tensor([index[r] for r in rows], device=stacked.device)]
+
+    def pin(self, prefix_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Compute ``prefix_ids`` if needed and keep it from eviction; returns its bytes.
+
+        Pins nest (one ``unpin`` per ``pin``). Raises ``ValueError`` when the pinned prefixes
+        would not fit in the budget.
+        """
+        row = tuple(prefix_ids)
+        if not row:
+            raise ValueError("cannot pin an empty prefix")
+        with self._lock:
+            root = self._root(namespace)
+            if self._match(root, row)[0] < len(row):
+                self._compute(root, [row])
+            node = self._node_at(root, row)
+            if node is None:
+                raise ValueError(f"a {len(row)}-token prefix does not fit in the kv cache budget")
+            node.pins += 1
+            self._pinned.add(node)
+            if self.pinned_bytes > self.budget_bytes:
+                self._unpin_node(node)
+                raise ValueError("pinned prefixes would exceed the kv cache budget")
+            return sum(n.nbytes for n in ancestry(node))
+
+    def stats(self) -> dict[str, int]:
+        """The counters named in ``STAT_NAMES``."""
+        with self._lock:
+            return {name: int(getattr(self, name)) for name in self.STAT_NAMES}
+
+    # -- compute ------------------------------------------------------------------------
+    def _compute(self, root: Node, rows: list[Row], count: bool = False) -> list[torch.Tensor]:
+        """Last-position logits of unique ``rows``; stores their key/values on the way.
+
+        ``count``: add the reused tokens to ``tokens_reused`` (requests, not internal passes).
+        """
+        self._prefill_shared(root, rows)
+        plans = []
+        for row in rows:
+            depth, path = self._match(root, row)
+            cached = min(depth, len(row) - 1)  # the last token runs anyway: its logits are needed
+            pieces, left = [], cached
+            for node, k in path:
+                if left <= 0:
+                    break
+                assert node.keys is not None and node.values is not None
+                take = min(k, left)
+                pieces.append((node.keys, node.values, take))
+                left -= take
+            self._touch([n for n, _ in path])
+            plans.append(_Plan(row, cached, pieces))
+            if count:
+                self.tokens_reused += cached
+        out: dict[Row, torch.Tensor] = {}
+        for group in _groups(plans):
+            out.update(zip([p.row for p in group], self._forward(root, group), strict=True))
+            self._evict()
+        return [out[row] for row in rows]
+
+    def _prefill_shared(self, root: Node, rows: list[Row]) -> None:
+        """Run once the uncached prefixes that several rows share, before the rows themselves."""
+        if len(rows) < 2:
+            return
+        shared: set[Row] = set()
+        ordered = sorted(rows)
+        for a, b in itertools.pairwise(ordered):
+            n = lcp(a, b)
+            if n >= SHARE_MIN_TOKENS and n - self._match(root, a[:n])[0] >= SHARE_MIN_TOKENS:
+                shared.add(a[:n])
+        if shared:
+            # Their own shared prefixes are handled by the same rule, one level down.
+            self._compute(root, sorted(shared))
+
+    def _forward(self, root: Node, plans: list[_Plan]) -> list[torch.Tensor]:
+        """One padded forward over ``plans``; stores the new key/values, returns last logits."""
+        lay = self.layout
+        rows, past, width = len(plans), max(p.cached for p in plans), max(p.new for p in plans)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, past + width), dtype=torch.long)
+        positions = torch.empty((rows, width), dtype=torch.long)
+        steps = torch.arange(width)
+        for i, p in enumerate(plans):
+            ids[i, : p.new] = torch.tensor(p.row[p.cached :])
+            mask[i, : p.cached] = 1
+            mask[i, past : past + p.new] = 1
+            # Padding after a row's tokens repeats its last position (never attended to).
+            positions[i] = (steps + p.cached).clamp(max=len(p.row) - 1)
+        # One buffer per side holds the gathered pasts and receives the new positions in place
+        # (a plain DynamicLayer would concatenate, copying every past a second time). Padding
+        # in the past is zeroed: masked slots get weight 0, and 0 * NaN would poison the row;
+        # the new positions are all written by the forward pass.
+        shape = (lay.layers, rows, lay.kv_heads, past + width)
+        buf_k = torch.empty((*shape, lay.key_dim), dtype=lay.dtype, device=lay.device)
+        buf_v = torch.empty((*shape, lay.value_dim), dtype=lay.dtype, device=lay.device)
+        for i, p in enumerate(plans):
+            at = 0
+            for keys, values, take in p.pieces:
+                buf_k[:, i, :, at : at + take] = keys[:, :, :take]
+                buf_v[:, i, :, at : at + take] = values[:, :, :take]
+                at += take
+            buf_k[:, i, :, at:past] = 0
+            buf_v[:, i, :, at:past] = 0
+        cache = DynamicCache(config=self.config)
+        cache.layers = [_FilledLayer(buf_k[n], buf_v[n], past) for n in range(lay.layers)]
+        last = [p.new - 1 for p in plans]
+        kept = sorted(set(last))
+        keep: int | torch.Tensor = 1 if kept == [width - 1] else torch.tensor(kept)
+        column = {pos: j for j, pos in enumerate(kept)} if isinstance(keep, torch.Tensor) else None
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids.to(lay.device),
+                attention_mask=mask.to(lay.device),
+                position_ids=positions.to(lay.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=keep if isinstance(keep, int) else keep.to(lay.device),
+            )
+        if out.past_key_values is not cache or any(
+            not isinstance(layer, _FilledLayer) or not layer.filled for layer in cache.layers
+        ):
+            raise RuntimeError("the model did not store its key/values in the cache it was given")
+        for i, p in enumerate(plans):
+            new = slice(past, past + p.new)
+            self._insert(root, p.row, p.cached, buf_k[:, i, :, new], buf_v[:, i, :, new])
+        self.forward_passes += 1
+        self.tokens_computed += sum(p.new for p in plans)
+        logits = out.logits
+        if column is None:
+            return list(logits[:, -1])
+        return [logits[i, column[n]] for i, n in enumerate(last)]
+
+
+class _FilledLayer(DynamicLayer):
+    """A ``DynamicLayer`` over preallocated ``[rows, heads, past + width, dim]`` buffers that
+    already hold the pasts: ``update`` writes the new positions in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
+        # named rather than super(): mypy checks a super() call against no untyped_calls_exclude
+        DynamicLayer.__init__(self)
+        self._keys_buf, self._values_buf = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.keys, self.values = keys[:, :, :past], values[:, :, :past]
+        self.is_initialized = True
+        self.filled = False
+        self._past = past
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self._past
+        end = start + key_states.shape[-2]
+        if self.filled or end > self._keys_buf.shape[-2]:
+            raise RuntimeError("one update per forward pass, of at most the planned width")
+        self._keys_buf[:, :, start:end] = key_states
+        self._values_buf[:, :, start:end] = value_states
+        self.keys, self.values = self._keys_buf[:, :, :end], self._values_buf[:, :, :end]
+        self.filled = True
+        return self.keys, self.values
+
+
+def _groups(plans: list[_Plan]) -> list[list[_Plan]]:
+    """Split rows into forward passes so that short rows are not padded to a long one."""
+    groups: list[list[_Plan]] = []
+    current: list[_Plan] = []
+    real = 0
+    for p in sorted(plans, key=lambda p: p.new):
+        if current and (len(current) + 1) * p.new > PAD_WASTE * (real + p.new) + PAD_SLACK:
+            groups.append(current)
+            current, real = [], 0
+        current.append(p)
+        real += p.new
+    if current:
+        groups.append(current)
+    return groups

@@ -1,0 +1,212 @@
+"""Stepping the backend: jobs go in at step boundaries, finished ones go to the writer.
+
+The backend runs in a worker thread, one ``step()`` at a time, so Redis I/O (reading the next
+entries, writing the last answers) overlaps the model (steps that take less than a thread
+hand-off, like the mock backend's, run on the event loop). Jobs that arrive during a step join at
+the next one: a next-token request waits for at most the step in progress (the backend's
+scheduler puts it ahead of the next decode step of running generations). Results are encoded
+in the same thread, right after the step, in the pool's wire dtype.
+
+Entries taken over from a dead consumer run alone, claimed just before they run: if one of them
+is what killed that consumer, it can take only itself down (its delivery count rises until it
+is dead-lettered), never a batch of innocent ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from shared.codec import torch_dtype
+from shared.errors import Expired, WorkerError
+from shared.protocol import encode_result
+from shared.settings import Settings
+from worker.backends.base import Backend, EngineDead, Work
+from worker.stream.batcher import TRIAGE_AFTER_MS, Job
+
+log = logging.getLogger("lmpool.worker")
+T = TypeVar("T")
+INLINE_STEP_S = 0.001
+"""Steps shorter than this (on average) run on the event loop: handing them to the compute
+thread and back costs more (two wake-ups) than they take, and there is no model time to
+overlap Redis I/O with. Model steps, milliseconds long, always run in the thread."""
+
+
+class Compute:
+    def __init__(
+        self,
+        backend: Backend,
+        settings: Settings,
+        on_finished: Callable[[list[Job]], None],
+        on_step: Callable[[list[Work], float], None],
+        now_ms: Callable[[], float],
+        triage: Callable[[list[Job]], Awaitable[None]],
+    ) -> None:
+        self.backend = backend
+        backend.max_batch = settings.max_batch
+        self.wire_dtype = torch_dtype(settings.wire_dtype)
+        self.on_finished = on_finished
+        self.on_step = on_step
+        self.now_ms = now_ms
+        self.triage = triage
+        """Checks jobs against Redis (``Batcher.triage``): result there? anyone waiting?"""
+        """Now on the Redis server's clock (deadlines are on it)."""
+        self.ready: list[Job] = []
+        self.active: dict[str, Job] = {}
+        """Jobs handed to the backend (or ready for it), by digest: duplicates join them."""
+        self.have = asyncio.Event()
+        self.lock = asyncio.Lock()
+        """Held while the compute thread works: one step, or one other backend call."""
+        self.busy = False
+        self.step_s = 1.0
+        """Recent steps' duration (moving average); starts high, so first steps use the thread."""
+        self.steps = 0
+        self.busy_s = 0.0
+        self.computed = 0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.active)
+
+    def add(self, jobs: list[Job]) -> None:
+        """Queue jobs for the model; settled ones (errors, cache hits, skips) go straight on,
+        and a duplicate of a job already queued or running joins it."""
+        settled = []
+        for job in jobs:
+            if job.work is None:
+                settled.append(job)
+                continue
+            twin = self.active.get(job.digest)
+            if twin is not None:
+                twin.entries.extend(job.entries)  # acknowledged with it
+                continue
+            self.active[job.digest] = job
+            self.ready.append(job)
+        if settled:
+            self.on_finished(settled)
+        if self.ready:
+            self.have.set()
+
+    async def run_until(
+        self, done: Callable[[], bool], claim: Callable[[], Awaitable[bool]]
+    ) -> None:
+        """Step while there is work; when idle, run one reclaimed entry alone (``claim``), or
+        wait; return once idle and ``done()``."""
+        while True:
+            if not self.ready and not self.backend.has_work():
+                if await claim():
+                    continue
+                if done():
+                    return
+                self.have.clear()
+                if not self.ready:
+                    await self.have.wait()
+                continue
+            await self.step()
+
+    async def step(self, only: list[Job] | None = None) -> None:
+        """Submit what is ready (or only ``only``) and run one backend step."""
+        submit = self.ready if only is None else only
+        if only is None:
+            self.ready = []
+        else:
+            self.ready = [j for j in self.ready if j not in only]
+        submit = await self._check_again(self._drop_expired(submit))
+        if submit:
+            self.backend.submit([j.work for j in submit if j.work is not None])
+        elif not self.backend.has_work():
+            return
+        self.busy = True
+        started = time.monotonic()
+        try:
+            async with self.lock:
+                if self.step_s < INLINE_STEP_S:
+                    works = self._step()  # cheaper than handing it to the thread and back
+                else:
+                    works = await asyncio.to_thread(self._step)
+        except EngineDead:
+            raise
+        except Exception as e:
+            # The backend failed as a whole (not one request): answer what it held, go on.
+            log.exception("backend step failed")
+            works = [
+                j.work for j in self.active.values() if j.work is not None and j not in self.ready
+            ]
+            for w in works:
+                w.error = w.error or WorkerError(f"the model failed: {e!r}")
+                self._settle(w)
+        finally:
+            self.busy = False
+            seconds = time.monotonic() - started
+            self.step_s += (seconds - self.step_s) / 8  # a moving average of recent steps
+            self.busy_s += seconds
+            self.steps += 1
+        finished = [w.tag for w in works if isinstance(w.tag, Job)]
+        for job in finished:
+            self.active.pop(job.digest, None)
+        self.computed += len(finished)
+        self.on_step(works, seconds)
+        if finished:
+            self.on_finished(finished)
+
+    async def _check_again(self, jobs: list[Job]) -> list[Job]:
+        """Jobs that waited here longer than ``TRIAGE_AFTER_MS`` since they were read are
+        checked again (one round trip): their askers may have cancelled meanwhile, or another
+        worker may have written their result."""
+        now = time.monotonic()
+        stale = [j for j in jobs if now - j.read_at > TRIAGE_AFTER_MS / 1000]
+        if not stale:
+            return jobs
+        for job in stale:
+            job.triage = True
+        await self.triage(stale)
+        settled = [j for j in stale if j.work is None]
+        if not settled:
+            return jobs
+        for job in settled:
+            self.active.pop(job.digest, None)
+        self.on_finished(settled)
+        return [j for j in jobs if j.work is not None]
+
+    def _drop_expired(self, jobs: list[Job]) -> list[Job]:
+        """Jobs whose deadline passed while they waited for this step are answered
+        ``Expired`` instead of computed: their askers have given up."""
+        now_ms = self.now_ms()
+        expired = [j for j in jobs if j.request is not None and j.request["deadline_ms"] < now_ms]
+        if not expired:
+            return jobs
+        for job in expired:
+            late_ms = now_ms - job.request["deadline_ms"]  # type: ignore[index]
+            job.fail(Expired(f"dropped unrun: its deadline passed {late_ms:.0f} ms ago"), "expired")
+            job.work = None
+            self.active.pop(job.digest, None)
+        self.on_finished(expired)
+        return [j for j in jobs if j.work is not None]
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the compute thread between two steps (e.g. loading an adapter)."""
+        async with self.lock:
+            return await asyncio.to_thread(fn)
+
+    def _step(self) -> list[Work]:
+        """In the compute thread: one backend step, its results encoded."""
+        works = self.backend.step()
+        for w in works:
+            self._settle(w)
+        return works
+
+    def _settle(self, work: Work) -> None:
+        job = work.tag
+        if not isinstance(job, Job):
+            return
+        if work.error is not None:
+            log.warning(
+                "request %s failed: %r", job.digest, work.error, extra={"digest": job.digest}
+            )
+            job.fail(work.error)
+        elif work.result is not None:
+            dtype = self.wire_dtype if work.kind == "logprobs" else None
+            job.result = encode_result(work.result, dtype)  # cast on the device, then copied

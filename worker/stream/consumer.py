@@ -1,0 +1,273 @@
+"""One worker's request path, wired: reader -> batcher -> compute -> writer.
+
+The reader task keeps up to two steps' worth of jobs queued ahead of the model (so a step's
+successor is ready when it ends) and no more (so priorities and skips are decided late). The
+compute loop steps the backend; the writer stores and acknowledges in the background.
+``stop()`` stops reading; ``run()`` then finishes every job in hand, writes and acknowledges
+it, and returns. An engine that dies (``EngineDead``) ends ``run()`` with that error at once,
+leaving its entries pending for other workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from shared.errors import DeadLettered
+from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
+from shared.registry import is_runtime_adapter
+from shared.settings import Settings
+from worker.adapters import AdapterLoader
+from worker.backends.base import Backend, Work
+from worker.leases import LeaseKeeper
+from worker.metrics import Metrics
+from worker.stream.batcher import Batcher, Job, valid_digest
+from worker.stream.compute import Compute
+from worker.stream.reader import Entry, Reader
+from worker.stream.writer import Writer, until_done
+
+log = logging.getLogger("lmpool.worker")
+AHEAD_STEPS = 2
+"""Jobs queued or running, in units of ``max_batch``, before the reader waits."""
+
+
+@dataclass
+class Stats:
+    """Counters published in the heartbeat."""
+
+    requests: int = 0
+    batches: int = 0
+    computed: int = 0
+    cache_hits: int = 0
+    skipped: int = 0
+    errors: int = 0
+    dead_letters: int = 0
+    busy_s: float = 0.0
+    recent: list[tuple[float, int]] = field(default_factory=list)
+
+    def record(self, jobs: list[Job]) -> None:
+        n = sum(len(j.entries) for j in jobs)
+        self.requests += n
+        for job in jobs:
+            if job.outcome == "cache_hit":
+                self.cache_hits += 1
+            elif job.outcome == "skipped":
+                self.skipped += 1
+            elif job.outcome == "dead_letter":
+                self.dead_letters += 1
+            elif job.outcome in ("error", "expired"):
+                self.errors += 1
+        now = time.monotonic()
+        self.recent.append((now, n))
+        while self.recent and self.recent[0][0] < now - 60:
+            self.recent.pop(0)
+
+    def per_second(self) -> float:
+        """Requests per second over the last minute."""
+        if not self.recent:
+            return 0.0
+        span = max(time.monotonic() - self.recent[0][0], 1.0)
+        return sum(n for _, n in self.recent) / span
+
+
+class Consumer:
+    def __init__(
+        self,
+        redis: AnyRedis,
+        backend: Backend,
+        settings: Settings,
+        consumer_name: str,
+        cluster: bool = False,
+    ) -> None:
+        self.redis = redis
+        self.backend = backend
+        self.settings = settings
+        self.name = consumer_name
+        self.stats = Stats()
+        self.metrics: Metrics | None = None
+        self.clock_offset_ms = 0.0
+        """Redis server time minus this host's (ms): deadlines and entry ages are on its clock."""
+        self.reader = Reader(redis, settings, consumer_name)
+        self.reader.cluster = cluster
+        self.reader.now_ms = self.now_ms
+        self.batcher = Batcher(backend, settings)
+        self.writer = Writer(redis, settings, consumer_name, cluster, self._written)
+        self.compute = Compute(
+            backend, settings, self.writer.add, self._stepped, self.now_ms, self._triage
+        )
+        self.adapters = AdapterLoader(redis, backend, settings, self.compute.call)
+        self._reclaimable: list[tuple[str, str]] = []
+        self._stopping = asyncio.Event()
+        self._reader_done = asyncio.Event()
+
+    @property
+    def leases(self) -> LeaseKeeper | None:
+        return self.reader.leases
+
+    @leases.setter
+    def leases(self, keeper: LeaseKeeper | None) -> None:
+        self.reader.leases = keeper
+
+    @property
+    def streams(self) -> list[str]:
+        return self.reader.streams
+
+    def now_ms(self) -> float:
+        """Now on the Redis server's clock."""
+        return time.time() * 1000 + self.clock_offset_ms
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def ensure_groups(self) -> None:
+        await self.reader.ensure_groups()
+
+    async def run(self) -> None:
+        """Serve until ``stop()``; then finish and acknowledge what was read, and return."""
+        await self.ensure_groups()
+        reader = asyncio.create_task(self._read_loop(), name="lmpool-reader")
+        try:
+            await self.compute.run_until(self._reader_done.is_set, self._run_reclaimed)
+        except BaseException:
+            self.stop()
+            reader.cancel()
+            raise
+        await reader
+        await self.writer.drain(stopping=True)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.reader.room.set()
+        self.compute.have.set()
+
+    def add_reclaimable(self, stream: str, entry_ids: list[str]) -> None:
+        """Queue entries of a dead consumer, to be claimed and run one at a time."""
+        queued = set(self._reclaimable)
+        self._reclaimable.extend((stream, i) for i in entry_ids if (stream, i) not in queued)
+        self.compute.have.set()
+
+    # -- reading --------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        backoff = Backoff()
+        capacity = AHEAD_STEPS * self.settings.max_batch
+        try:
+            while not self._stopping.is_set():
+                self.reader.room.clear()  # before looking, so a change after it wakes us
+                room = capacity - self.compute.outstanding
+                if room <= 0:
+                    await self.reader.room.wait()
+                    continue
+                try:
+                    entries = await self.reader.read(room, self.compute)
+                    if entries:
+                        await self._take(entries)
+                except TRANSIENT as e:
+                    wait = backoff.step()
+                    log.warning("Redis unreachable while reading (%r); retry in %.2fs", e, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                backoff.reset()
+        except Exception:
+            log.exception("stream reader failed")
+            raise
+        finally:
+            self._reader_done.set()
+            self.compute.have.set()
+
+    async def _triage(self, jobs: list[Job]) -> None:
+        await until_done(lambda: self.batcher.triage(self.redis, jobs), self._stopping.is_set)
+
+    async def _take(self, entries: list[Entry], alone: bool = False) -> list[Job]:
+        jobs = self.batcher.jobs(entries, self.now_ms(), force_triage=alone)
+        await self._triage(jobs)
+        runtime = {
+            j.work.lora for j in jobs if j.work is not None and is_runtime_adapter(j.work.lora)
+        }
+        if runtime:
+            failed = await self.adapters.ensure(runtime)  # type: ignore[arg-type]
+            for job in jobs:
+                if job.work is not None and job.work.lora in failed:
+                    job.fail(failed[job.work.lora])
+                    job.work = None
+        if alone:
+            return jobs
+        self.compute.add(jobs)
+        return jobs
+
+    # -- taking over ----------------------------------------------------------------------
+    async def _run_reclaimed(self) -> bool:
+        """Claim one reclaimable entry and run it alone; False when there is none."""
+        while self._reclaimable:
+            stream, entry_id = self._reclaimable.pop(0)
+            claimed = await self._claim(stream, entry_id)
+            if not claimed:
+                continue
+            log.warning("reclaimed %s %s from a dead consumer", stream, entry_id)
+            jobs = await self._take(claimed, alone=True)
+            todo = [j for j in jobs if j.work is not None]
+            settled = [j for j in jobs if j.work is None]
+            if settled:
+                self.writer.add(settled)
+            for job in todo:
+                self.compute.active[job.digest] = job
+            if todo:
+                await self.compute.step(only=todo)
+                while any(j.digest in self.compute.active for j in todo):
+                    await self.compute.step(only=[])
+            return True
+        return False
+
+    async def _claim(self, stream: str, entry_id: str) -> list[Entry]:
+        claimed: list[Entry] = []
+
+        async def claim_it() -> None:
+            claimed[:] = await self.reader.claim(stream, [entry_id])
+
+        await until_done(claim_it, self._stopping.is_set)
+        return claimed
+
+    async def dead_letter(self, entries: list[Entry], deliveries: dict[str, int]) -> None:
+        """Answer each entry's waiters with ``DeadLettered``, record it, acknowledge it."""
+        jobs = []
+        for entry in entries:
+            reason = (
+                f"request was delivered {deliveries.get(entry.entry_id, '?')} times and never "
+                "answered (each time its worker died): it may crash the model"
+            )
+            job = Job(valid_digest(entry.digest), entry.shard, [entry], dead=reason)
+            job.fail(DeadLettered(reason), "dead_letter")
+            jobs.append(job)
+        await self.writer.write(jobs)
+        self._written(jobs)
+
+    def held_entries(self) -> set[str]:
+        """Ids of the entries this worker holds in memory (read, not yet acknowledged)."""
+        jobs = [*self.compute.active.values(), *self.writer.queued()]
+        return {e.entry_id for job in jobs for e in job.entries}
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _stepped(self, works: list[Work], seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_step(len(works), seconds)
+        if works:
+            high = [w.high for w in works]
+            self.reader.note_step(any(high), not any(high))
+        self.reader.room.set()
+
+    def _written(self, jobs: list[Job]) -> None:
+        self.stats.record(jobs)
+        self.stats.batches = self.compute.steps
+        self.stats.computed = self.compute.computed
+        self.stats.busy_s = self.compute.busy_s
+        entries = [e for j in jobs for e in j.entries]
+        if self.metrics is not None:
+            self.metrics.observe_written([e.entry_id for e in entries], [j.outcome for j in jobs])
+        if log.isEnabledFor(logging.DEBUG):
+            answered = {j.digest: j.outcome for j in jobs}
+            log.debug(
+                "answered %d entries, %d distinct: %s",
+                len(entries),
+                len(jobs),
+                " ".join(f"{d[:12]}={o}" for d, o in answered.items()),
+                extra={"worker": self.name, "requests": answered},
+            )

@@ -1,0 +1,314 @@
+"""Reading the model's streams: own shards first, then stealable ones, offline work last.
+
+Interactive requests are sharded; each shard is leased to one worker (``worker.leases``), which
+reads it first so that prompts sharing a prefix meet its KV cache. An idle worker also takes
+entries from shards whose owner is gone or lagging (stealing). Offline streams are read only
+when no interactive entry waits, and while interactive requests are recent, in small portions:
+an interactive request that arrives meanwhile waits for at most one short step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from redis.exceptions import ResponseError
+
+from shared import protocol
+from shared.keys import GROUP, Keys
+from shared.redis_conn import TRANSIENT, AnyRedis
+from shared.settings import Settings
+from worker.leases import LeaseKeeper
+
+BLOCK_MS = 1000
+"""Longest blocking read: also the longest a stop waits for the reader."""
+INTERACTIVE_RECENT_S = 5.0
+"""Offline work runs in small portions for this long after the last interactive request."""
+INTERACTIVE_GRACE_S = 0.005
+"""After an interactive step, offline work waits this long: a caller that sends its next
+request as soon as it has an answer (an SMC loop) gets it in ahead of the offline queue."""
+CLUSTER_BLOCK_MS = 20
+"""On a cluster, the longest blocking read of one shard while others may receive entries."""
+OFFLINE_SHARE_EVERY = 4
+"""...except after this many interactive steps in a row: then offline work may be read, so a
+busy interactive caller never stops a batch job completely."""
+
+
+class ModelState(Protocol):
+    """What the reader needs to know of the model's side (``worker.stream.compute.Compute``)."""
+
+    @property
+    def busy(self) -> bool:
+        """A step is running."""
+
+    @property
+    def ready(self) -> list[Any]:
+        """Jobs read and waiting for the next step."""
+
+
+@dataclass(eq=False)
+class Entry:
+    """One stream entry as read."""
+
+    stream: str
+    entry_id: str
+    raw: bytes | None
+    """The encoded request (field ``m``), None when the entry has none."""
+    digest: str | None
+    """The digest field (``d``), readable even when ``raw`` is not."""
+    shard: int
+    offline: bool
+
+    @property
+    def added_ms(self) -> int:
+        """When it was added, on the Redis server's clock (an entry id starts with it)."""
+        return int(self.entry_id.split("-", 1)[0])
+
+
+class Reader:
+    def __init__(
+        self,
+        redis: AnyRedis,
+        settings: Settings,
+        consumer_name: str,
+        leases: LeaseKeeper | None = None,
+    ) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.model = settings.served_model_name
+        self.name = consumer_name
+        self.leases = leases
+        """None: this reader owns every shard."""
+        self.streams = self.keys.streams(self.model, settings.shards)
+        self.room = asyncio.Event()
+        """Set when the consumer has room for entries again (or stops)."""
+        self.now_ms: Callable[[], float] = lambda: time.time() * 1000
+        """Now on the Redis server's clock (entry ids are on it); the consumer sets it."""
+        self.cluster = False
+        """The streams live on a Redis Cluster: read one slot at a time."""
+        self._turn = 0
+        self._last_interactive = -1e9
+        self._offline_after = 0.0
+        self._held_back = 0
+
+    async def ensure_groups(self) -> None:
+        """Create the consumer group on each stream; idempotent."""
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    # -- the offline policy ---------------------------------------------------------------
+    def note_step(self, interactive: bool, offline_only: bool) -> None:
+        """Called after each compute step: holds offline work back briefly after interactive
+        steps, except for its guaranteed share."""
+        if interactive:
+            self._last_interactive = time.monotonic()
+        if offline_only:
+            self._held_back = 0
+        elif interactive and self._held_back < OFFLINE_SHARE_EVERY:
+            self._held_back += 1
+            self._offline_after = time.monotonic() + INTERACTIVE_GRACE_S
+        elif interactive:
+            self._offline_after = 0.0
+            self._held_back = 0
+
+    def _offline_count(self, count: int, busy: bool, backlog: bool) -> int:
+        """How much offline work to take now: none while other work waits (offline work is
+        never read ahead of interactive work); while interactive requests came recently, none
+        while the model is busy and small portions when it is idle."""
+        now = time.monotonic()
+        recent = now - self._last_interactive < INTERACTIVE_RECENT_S
+        if backlog or (recent and busy) or now < self._offline_after:
+            return 0
+        return min(count, self.settings.offline_batch) if recent else count
+
+    # -- reading --------------------------------------------------------------------------
+    def _shard_streams(self, priority: str) -> tuple[list[str], list[str]]:
+        """Streams of ``priority`` of the shards this worker owns, and of the others."""
+        shards = self.settings.shards
+        owned = set(range(shards)) if self.leases is None else self.leases.owned
+        mine = [self.keys.stream(self.model, priority, s) for s in sorted(owned)]
+        others = [
+            self.keys.stream(self.model, priority, s) for s in range(shards) if s not in owned
+        ]
+        return mine, others
+
+    async def read(self, count: int, model: ModelState) -> list[Entry]:
+        """Up to ``count`` new entries in this order: own shards, other shards whose owner is
+        gone or lagging (stealing), offline work; blocks briefly when there is none."""
+        mine, others = self._shard_streams("high")
+        low_mine, low_others = self._shard_streams("low")
+        low = low_mine + low_others
+        offline = self._offline_count(count, model.busy, bool(model.ready))
+        try:
+            stealable = await self._stealable(others)
+            # own shards first, without blocking; when the model is idle and nothing else may be
+            # read, the blocking read below is that read
+            passes: list[tuple[list[str], int]] = []
+            if stealable or offline or model.busy or model.ready:
+                passes = [(mine, count), (stealable, count), (low, offline)]
+            for streams, n in passes:
+                if streams and n:
+                    reply = await self._xreadgroup(streams, n)
+                    if reply:
+                        self._mark(reply)
+                        return self.parse(reply)
+            # Block on our own streams, no longer than a heartbeat (when leases may change);
+            # with other shards around, wake up soon to look for work to take over.
+            block_ms = min(BLOCK_MS, int(1000 * self.settings.heartbeat_s))
+            if others:
+                block_ms = min(block_ms, int(2 * self.settings.steal_after_ms))
+            grace_ms = (self._offline_after - time.monotonic()) * 1000
+            if grace_ms > 0:  # hold offline work back: the next interactive request is near
+                block_ms = min(block_ms, int(grace_ms) + 1)
+            block_ms = max(block_ms, 1)
+            self.room.clear()  # before looking: a change after the look wakes the wait below
+            if model.ready or (model.busy and not offline):
+                # the model is busy or has work waiting: look again as soon as that changes
+                # (offline work may then be read), rather than block on interactive streams
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.room.wait(), block_ms / 1000)
+                return []
+            streams = [*mine, *low] if offline else mine
+            if not streams:
+                await asyncio.sleep(block_ms / 1000)
+                return []
+            reply = await self._xreadgroup(
+                streams, min(count, offline) if offline else count, block_ms
+            )
+            self._mark(reply)
+            return self.parse(reply)
+        except ResponseError as e:
+            if not stream_gone(e):
+                raise
+            await self.ensure_groups()  # the stream was deleted under us (FLUSHALL, DEL)
+            return []
+
+    async def _xreadgroup(self, streams: list[str], count: int, block_ms: int | None = None) -> Any:
+        """XREADGROUP of ``streams``. A cluster refuses one read of several slots, so there each
+        stream is read alone, and a blocking read waits on one of them at a time (in turn),
+        for at most ``CLUSTER_BLOCK_MS``: entries of the others wait that long at most."""
+        if not self.cluster or len(streams) == 1:
+            return await self.redis.xreadgroup(
+                GROUP, self.name, dict.fromkeys(streams, ">"), count=count, block=block_ms
+            )
+        out: list[Any] = []
+        for stream in streams:
+            got = await self.redis.xreadgroup(GROUP, self.name, {stream: ">"}, count=count)
+            if got:
+                out.extend(got)
+                count -= sum(len(items) for _, items in got)
+                if count <= 0:
+                    return out
+        if out or block_ms is None:
+            return out
+        self._turn = (self._turn + 1) % len(streams)
+        return await self.redis.xreadgroup(
+            GROUP,
+            self.name,
+            {streams[self._turn]: ">"},
+            count=count,
+            block=min(block_ms, CLUSTER_BLOCK_MS),
+        )
+
+    def _mark(self, reply: Any) -> None:
+        for stream, _ in reply or []:
+            if not self.keys.parse_stream(stream).offline:
+                self._last_interactive = time.monotonic()
+                return
+
+    async def _stealable(self, streams: list[str]) -> list[str]:
+        """Those of ``streams`` with undelivered entries that nobody owns, or whose oldest
+        undelivered entry waited ``steal_after_ms``: their owner is dead or busy."""
+        if not streams:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.exists(self.keys.lease(self.model, self.keys.parse_stream(stream).shard))
+            pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
+        if any(isinstance(r, TRANSIENT) for r in replies):
+            raise next(r for r in replies if isinstance(r, TRANSIENT))
+        now_ms = self.now_ms()
+        lagging: list[tuple[str, bytes]] = []
+        out: list[str] = []
+        for i, stream in enumerate(streams):
+            owned, groups = replies[2 * i], replies[2 * i + 1]
+            if isinstance(owned, Exception) or isinstance(groups, Exception):
+                continue  # a stream not created yet, say: nothing to take
+            group = next((g for g in groups or [] if _s(g.get("name")) == GROUP), None)
+            if group is None or not group.get("lag"):
+                continue
+            if not owned:
+                out.append(stream)
+            else:
+                lagging.append((stream, group["last-delivered-id"]))
+        if lagging:
+            # the oldest undelivered entry of each lagging stream: how long has it waited?
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, last in lagging:
+                pipe.xrange(stream, min=b"(" + _b(last), max="+", count=1)
+            firsts = await pipe.execute(raise_on_error=False)
+            for (stream, _), first in zip(lagging, firsts, strict=True):
+                if isinstance(first, Exception) or not first:
+                    continue
+                added_ms = int(_s(first[0][0]).split("-", 1)[0])
+                if now_ms - added_ms >= self.settings.steal_after_ms:
+                    out.append(stream)
+        return out
+
+    async def claim(self, stream: str, entry_ids: list[str]) -> list[Entry]:
+        """Take entries over from whichever consumer holds them, if still idle long enough."""
+        idle_ms = int(self.settings.claim_after_s * 1000)
+        items = await self.redis.xclaim(
+            stream, GROUP, self.name, min_idle_time=idle_ms, message_ids=list[Any](entry_ids)
+        )
+        return self.entries_of(stream, [(i, f) for i, f in items if i is not None])
+
+    def parse(self, reply: Any) -> list[Entry]:
+        """Entries from an XREADGROUP reply (deleted entries come back without fields)."""
+        out: list[Entry] = []
+        for stream, items in reply or []:
+            out.extend(self.entries_of(_s(stream), items))
+        return out
+
+    def entries_of(self, stream: str, items: Any) -> list[Entry]:
+        name = self.keys.parse_stream(stream)
+        out = []
+        for entry_id, fields in items:
+            fields = fields or {}
+            digest = fields.get(protocol.DIGEST_FIELD)
+            out.append(
+                Entry(
+                    stream,
+                    _s(entry_id),
+                    fields.get(protocol.MESSAGE_FIELD),
+                    _s(digest) if digest is not None else None,
+                    name.shard,
+                    name.offline,
+                )
+            )
+        return out
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _b(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def stream_gone(error: ResponseError) -> bool:
+    """The error says a stream or its group vanished (FLUSHALL, DEL, a failover to a replica
+    that never saw them): recreate them and go on."""
+    text = str(error)
+    return "NOGROUP" in text or "UNBLOCKED" in text

@@ -1,0 +1,81 @@
+"""Taking over the messages of dead consumers, and dead-lettering the ones that keep failing.
+
+A message read by a consumer that then dies stays pending in the group. Every worker scans the
+pending lists periodically: a message idle past ``LMPOOL_CLAIM_AFTER_S`` is queued to be
+claimed (XCLAIM with the same idle bound, so two scanners never both take it) and run alone;
+one already delivered ``LMPOOL_MAX_DELIVERIES`` times is moved to the dead-letter stream and its
+waiters get a ``DeadLettered`` error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from shared.keys import GROUP
+from worker.stream.consumer import Consumer
+from worker.stream.reader import stream_gone
+
+log = logging.getLogger("lmpool.worker")
+
+
+async def reclaim_once(consumer: Consumer) -> int:
+    """One scan of every stream; returns how many messages were queued for taking over."""
+    s = consumer.settings
+    idle_ms = int(s.claim_after_s * 1000)
+    taken = 0
+    for stream in consumer.streams:
+        pending = await consumer.redis.xpending_range(
+            stream, GROUP, min="-", max="+", count=4 * s.max_batch, idle=idle_ms
+        )
+        # this worker's own entries too, if it does not hold them: after a failover to a replica
+        # that missed an acknowledgement, an answered entry is pending here, forgotten
+        held = consumer.held_entries()
+        pending = [
+            p
+            for p in pending
+            if _s(p["consumer"]) != consumer.name or _s(p["message_id"]) not in held
+        ]
+        if not pending:
+            continue
+        retry = [_s(p["message_id"]) for p in pending if p["times_delivered"] < s.max_deliveries]
+        doomed = {
+            _s(p["message_id"]): p["times_delivered"]
+            for p in pending
+            if p["times_delivered"] >= s.max_deliveries
+        }
+        if retry:
+            consumer.add_reclaimable(stream, retry)
+            taken += len(retry)
+        if doomed:
+            claimed = await consumer.reader.claim(stream, list(doomed))
+            await consumer.dead_letter(claimed, doomed)
+    return taken
+
+
+async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
+    period = min(max(consumer.settings.claim_after_s / 2, 0.2), 10.0)
+    while not stopping.is_set():
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=period)
+        except asyncio.TimeoutError:
+            pass
+        if stopping.is_set():
+            return
+        try:
+            await reclaim_once(consumer)
+        except ResponseError as e:
+            if not stream_gone(e):
+                log.exception("reclaim scan failed; retrying next period")
+                continue
+            log.warning("request streams vanished (%s): creating them again", e)
+            await consumer.ensure_groups()
+        except Exception:
+            log.exception("reclaim scan failed; retrying next period")
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,175 @@
+"""Writing answers: results into the shared cache, replies to the waiting producers, acks.
+
+One pipeline per flush: ``SET`` each new result (with its TTL), one FINISH call per shard
+(which takes each digest's waiter set and, on a single Redis, pushes the replies), the
+dead letters, then ``XACK`` + ``XDEL`` of every entry answered. Entries are acknowledged only in
+the pipeline that wrote their answers, so a crash before it leaves them pending for another
+worker to reclaim; a crash after FINISH but before a cluster's second pipeline (the replies,
+which live in other slots) leaves the results in the cache, where the producers' re-submission
+finds them. Flushes run one at a time in the background, each taking whatever finished while
+the previous one ran, so compute never waits for Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from shared import protocol
+from shared.keys import GROUP, Keys
+from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
+from shared.scripts import FINISH_SCRIPT, execute
+from shared.settings import Settings
+from worker.stream.batcher import Job
+
+log = logging.getLogger("lmpool.worker")
+DEAD_LETTER_KEEP_BYTES = 4096
+"""A dead letter keeps at most this much of its message (plus the message's full size)."""
+DEAD_LETTERS_KEPT = 10_000
+"""Entries the dead-letter stream keeps (approximately), so its memory stays bounded."""
+
+
+class Writer:
+    def __init__(
+        self,
+        redis: AnyRedis,
+        settings: Settings,
+        consumer_name: str,
+        cluster: bool = False,
+        on_written: Callable[[list[Job]], None] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.model = settings.served_model_name
+        self.name = consumer_name
+        self.cluster = cluster
+        """Replies go in a second pipeline (their lists live in other slots)."""
+        self.on_written = on_written
+        self._queue: list[Job] = []
+        self._writing: list[Job] = []
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # -- background flushing --------------------------------------------------------------
+    def add(self, jobs: list[Job]) -> None:
+        self._queue.extend(jobs)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._flush_all())
+
+    def queued(self) -> list[Job]:
+        """Jobs waiting to be written, or being written."""
+        return [*self._queue, *self._writing]
+
+    async def drain(self, stopping: bool = False) -> None:
+        """Wait until everything added so far is written (or given up at shutdown)."""
+        self._stopping = self._stopping or stopping
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    def _is_stopping(self) -> bool:
+        return self._stopping
+
+    async def _flush_all(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            self._writing = batch
+            written = await until_done(functools.partial(self.write, batch), self._is_stopping)
+            self._writing = []
+            if written and self.on_written is not None:
+                self.on_written(batch)
+
+    # -- one write ------------------------------------------------------------------------
+    async def write(self, jobs: list[Job]) -> None:
+        ttl_ms = self.settings.result_ttl_s * 1000
+        replies = [self._reply(job) for job in jobs]
+        by_shard: dict[int, list[int]] = defaultdict(list)
+        for i, job in enumerate(jobs):
+            if job.digest:
+                by_shard[job.shard].append(i)
+        order: list[int] = []
+
+        def build(pipe: Any) -> None:
+            order.clear()
+            for job in jobs:
+                if job.shared and job.outcome == "computed":
+                    pipe.set(
+                        self.keys.result(self.model, job.shard, job.digest), job.result, px=ttl_ms
+                    )
+            for shard, members in by_shard.items():
+                _, waiters, inflight = self.keys.digest_prefixes(self.model, shard)
+                args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters, inflight]
+                for i in members:
+                    args += [jobs[i].digest, replies[i]]
+                FINISH_SCRIPT.queue(pipe, [self.keys.stats(self.model, shard)], args)
+                order.append(shard)
+            for job in jobs:
+                if job.dead is not None:
+                    for entry in job.entries:
+                        self._dead_letter(pipe, entry.stream, entry.entry_id, entry.raw, job.dead)
+            self._ack(pipe, jobs)
+
+        outcome = await execute(self.redis, build, [FINISH_SCRIPT])
+        if self.cluster:
+            finished = [r for r in outcome if isinstance(r, list)]
+            pipe = self.redis.pipeline(transaction=False)
+            for shard, lists in zip(order, finished, strict=True):
+                for i, waiting in zip(by_shard[shard], lists, strict=True):
+                    for reply_list in waiting:
+                        pipe.rpush(reply_list, replies[i])
+                        pipe.pexpire(reply_list, ttl_ms)
+            await pipe.execute()
+
+    @staticmethod
+    def _reply(job: Job) -> bytes:
+        return protocol.encode_reply(job.digest, job.result, job.error)
+
+    def _dead_letter(
+        self, pipe: Any, stream: str, entry_id: str, raw: bytes | None, reason: str
+    ) -> None:
+        log.warning("dead-lettering %s %s: %s", stream, entry_id, reason)
+        message = raw or b""
+        pipe.xadd(
+            self.keys.dead(self.model),
+            {
+                "stream": stream,
+                "id": entry_id,
+                "reason": reason,
+                "m": message[:DEAD_LETTER_KEEP_BYTES],
+                "size": len(message),
+                "worker": self.name,
+            },
+            maxlen=DEAD_LETTERS_KEPT,
+            approximate=True,
+        )
+
+    @staticmethod
+    def _ack(pipe: Any, jobs: list[Job]) -> None:
+        by_stream: dict[str, list[str]] = defaultdict(list)
+        for job in jobs:
+            for e in job.entries:
+                by_stream[e.stream].append(e.entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
+
+
+async def until_done(step: Callable[[], Awaitable[None]], give_up: Callable[[], bool]) -> bool:
+    """Run a Redis step until it succeeds, riding out outages; False if ``give_up()`` says so
+    while Redis is unreachable (the entries then stay pending: another worker reclaims them)."""
+    backoff = Backoff()
+    while True:
+        try:
+            await step()
+            return True
+        except TRANSIENT as e:
+            if give_up():
+                log.error("Redis unreachable at shutdown (%r): entries stay pending", e)
+                return False
+            wait = backoff.step()
+            log.warning("Redis unreachable (%r); retry in %.2fs", e, wait)
+            await asyncio.sleep(wait)
