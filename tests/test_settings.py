@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from shared.errors import SettingsError
@@ -71,3 +76,33 @@ def test_readme_settings_table_is_current() -> None:
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert settings_table() in readme
+
+
+def _start_worker(**env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m arq worker.WorkerSettings`` with only ``env``'s lmpool settings."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
+    return subprocess.run(
+        [sys.executable, "-m", "arq", "worker.WorkerSettings"],
+        env={**clean, **env},
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_bad_variable_stops_the_worker_with_one_line() -> None:
+    """What an operator sees: the variable and what it must be, exit status 2, no traceback."""
+    res = _start_worker(LMPOOL_WIRE_DTYPE="float8")
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "lmpool worker: LMPOOL_WIRE_DTYPE must be one of ('float32', 'float16', 'bfloat16')"
+    )
+
+
+def test_a_missing_model_stops_the_worker_naming_the_setting(redis_url: str) -> None:
+    """Found once the worker looks for the model (after arq connected): logged, exit status 2."""
+    res = _start_worker(LMPOOL_REDIS_URL=redis_url, LMPOOL_MODEL="/nonexistent/model")
+    assert res.returncode == 2
+    assert "LMPOOL_MODEL='/nonexistent/model': no such file or directory" in res.stderr
+    assert "Traceback" not in res.stderr

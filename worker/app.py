@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from arq.connections import RedisSettings
@@ -27,6 +29,7 @@ from shared.settings import Settings
 from worker.jobs import pack_job, score_file, unpack_job
 
 log = logging.getLogger("lmpool.worker")
+T = TypeVar("T")
 
 
 def load_settings() -> Settings:
@@ -35,6 +38,14 @@ def load_settings() -> Settings:
 
 
 async def startup(ctx: dict[str, Any]) -> None:
+    try:
+        await _start(ctx)
+    except SettingsError as e:  # found once the servers or the model were looked at
+        log.error("%s", e)
+        raise SystemExit(2) from None
+
+
+async def _start(ctx: dict[str, Any]) -> None:
     from worker.backends import load_backend
     from worker.pool import PoolWorker
 
@@ -92,7 +103,17 @@ def arq_url(settings: Settings) -> str:
     return settings.redis_url
 
 
-_SETTINGS = load_settings()
+def _or_exit(check: Callable[[], T]) -> T:
+    """``check()``, or the process ends with its setting error on one line (exit status 2):
+    an operator reads which variable is wrong, not an import traceback through arq's CLI."""
+    try:
+        return check()
+    except SettingsError as e:
+        print(f"lmpool worker: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+_SETTINGS = _or_exit(load_settings)
 
 
 def redis_settings(url: str) -> RedisSettings:
@@ -114,7 +135,7 @@ class WorkerSettings:
     functions = [pool_info, score_file]
     on_startup = startup
     on_shutdown = shutdown
-    redis_settings = redis_settings(arq_url(_SETTINGS))
+    redis_settings = redis_settings(_or_exit(lambda: arq_url(_SETTINGS)))
     queue_name = Keys(_SETTINGS.key_prefix).arq_queue
     job_serializer = pack_job
     job_deserializer = unpack_job
