@@ -7,7 +7,7 @@ never pickle: anyone who can write to Redis must not be able to run code on a GP
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -48,6 +48,7 @@ async def startup(ctx: dict[str, Any]) -> None:
 async def _start(ctx: dict[str, Any]) -> None:
     from worker.backends import load_backend
     from worker.pool import PoolWorker
+    from worker.stream.compute import in_compute_thread
 
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
@@ -63,7 +64,7 @@ async def _start(ctx: dict[str, Any]) -> None:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    backend = await asyncio.to_thread(load_backend, settings)
+    backend = await in_compute_thread(functools.partial(load_backend, settings))
     pool = PoolWorker(settings, backend, cluster)
     await pool.start()
     ctx["lmpool"] = pool

@@ -1,8 +1,12 @@
 """Stepping the backend: jobs go in at step boundaries, finished ones go to the writer.
 
-The backend runs in a worker thread, one ``step()`` at a time, so Redis I/O (reading the next
-entries, writing the last answers) overlaps the model (steps that take less than a thread
-hand-off, like the mock backend's, run on the event loop). Jobs that arrive during a step join at
+The backend runs in one dedicated thread (the compute thread, which also loads it), one
+``step()`` at a time, so Redis I/O (reading the next entries, writing the last answers) overlaps
+the model (steps that take less than a thread hand-off, like the mock backend's, run on the
+event loop). One thread, always the same: torch's CPU thread pool (OpenMP) belongs to the thread
+that calls into it, and calls from several threads in turn would keep several pools spinning on
+the same cores (measured: eight concurrent samples 2.05x one through asyncio's default executor,
+see ``bench/generation.py``). Jobs that arrive during a step join at
 the next one: a next-token request waits for at most the step in progress (the backend's
 scheduler puts it ahead of the next decode step of running generations). Results are encoded
 in the same thread, right after the step, in the pool's wire dtype.
@@ -18,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from shared.codec import torch_dtype
@@ -33,6 +38,17 @@ INLINE_STEP_S = 0.001
 """Steps shorter than this (on average) run on the event loop: handing them to the compute
 thread and back costs more (two wake-ups) than they take, and there is no model time to
 overlap Redis I/O with. Model steps, milliseconds long, always run in the thread."""
+
+
+_thread: ThreadPoolExecutor | None = None
+
+
+async def in_compute_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` in the process's compute thread (created on first use)."""
+    global _thread
+    if _thread is None:
+        _thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmpool-compute")
+    return await asyncio.get_running_loop().run_in_executor(_thread, fn)
 
 
 class Compute:
@@ -126,7 +142,7 @@ class Compute:
                 if self.step_s < INLINE_STEP_S:
                     works = self._step()  # cheaper than handing it to the thread and back
                 else:
-                    works = await asyncio.to_thread(self._step)
+                    works = await in_compute_thread(self._step)
         except EngineDead:
             raise
         except Exception as e:
@@ -189,7 +205,7 @@ class Compute:
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the compute thread between two steps (e.g. loading an adapter)."""
         async with self.lock:
-            return await asyncio.to_thread(fn)
+            return await in_compute_thread(fn)
 
     def _step(self) -> list[Work]:
         """In the compute thread: one backend step, its results encoded."""
