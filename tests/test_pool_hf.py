@@ -10,6 +10,8 @@ Tolerances (float32, max abs diff of log-probs against a single unpadded forward
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from poolkit import reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from producer import RemoteLM
+from shared.settings import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,3 +78,33 @@ async def test_default_model_through_the_pool(redis_url: str, workers: Callable[
         assert lm.tokenizer._tokenizer is not None
         bpe = lm.tokenizer._tokenizer.model  # genlm-control reads the BPE merges
         assert type(bpe).__name__ == "BPE"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
+@pytest.mark.asyncio
+async def test_torch_threads_setting_bounds_the_compute(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """LMPOOL_TORCH_THREADS=1: the model's forwards (in the compute thread) use one core, not
+    every core torch would take by default (its thread count is per calling thread)."""
+    w = workers(redis_url, backend="hf", torch_threads=1, kv_cache_mb=0)
+    assert w.proc is not None
+    lm = await RemoteLM.connect(redis_url, model=DEFAULT_MODEL_NAME, timeout_s=300)
+    try:
+        await lm.next_token_logprobs([5, 6, 7])
+        prompts = [[1000 + 97 * i + j for j in range(64)] for i in range(32)]
+        cpu0, t0 = _cpu_seconds(w.proc.pid), time.perf_counter()
+        await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        cpu1, t1 = _cpu_seconds(w.proc.pid), time.perf_counter()
+    finally:
+        await lm.close()
+    cores = (cpu1 - cpu0) / (t1 - t0)
+    assert t1 - t0 > 1.0, "too little work to measure"
+    assert cores < 1.3, f"the worker used {cores:.2f} cores with LMPOOL_TORCH_THREADS=1"

@@ -63,7 +63,10 @@ async def _start(ctx: dict[str, Any]) -> None:
     if settings.torch_threads:
         import torch
 
+        # OpenMP's thread count is per calling thread: set it where steps run (the compute
+        # thread, and the event loop for steps too short to hand over)
         torch.set_num_threads(settings.torch_threads)
+        await in_compute_thread(functools.partial(torch.set_num_threads, settings.torch_threads))
     backend = await in_compute_thread(functools.partial(load_backend, settings))
     pool = PoolWorker(settings, backend, cluster)
     await pool.start()
