@@ -18,33 +18,20 @@ what one broker sustains; CPU per result is the figure that carries over to bigg
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
-import random
 import statistics
 import sys
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import benchkit
 from benchkit import Report, closed_loop
 from overhead import cpu_seconds
+from reply_paths import lmpool_call
 
 from shared.redis_cluster import RedisCluster
 from shared.redis_server import RedisServer
 
 ROW_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def distinct_calls(lm: Any, vocab: int) -> Callable[[], Awaitable[object]]:
-    nonce = random.randrange(vocab)
-    counter = itertools.count()
-
-    async def call() -> object:
-        i = next(counter)
-        return await lm.next_token_logprobs([nonce, 1 + i // 40_000, i % 40_000])
-
-    return call
 
 
 async def measure(
@@ -65,7 +52,7 @@ async def measure(
     ).start()
     try:
         lm: Any = await benchkit.connect_remote_lm(worker, url, name, 120, 60)
-        call = distinct_calls(lm, vocab)
+        call = lmpool_call(lm, vocab)
         await closed_loop(call, args.in_flight, 0.5, 1.0)  # warm up
         assert worker.proc is not None
         pids = {"producer": [os.getpid()], "worker": [worker.proc.pid], "redis": redis_pids}

@@ -258,9 +258,10 @@ async def measure_path(url: str, path: str, in_flight: int, warm_s: float, run_s
         await client.close()
 
 
-def lmpool_call(lm: Any) -> Callable[[], Awaitable[object]]:
-    """Distinct prompts every call, so neither cache (local or shared) can answer."""
-    nonce = random.randrange(VOCAB)
+def lmpool_call(lm: Any, vocab: int = VOCAB) -> Callable[[], Awaitable[object]]:
+    """Distinct prompts every call, so neither cache (local or shared) can answer (ids below
+    ``vocab`` and below 40,000)."""
+    nonce = random.randrange(vocab)
     counter = itertools.count()
 
     async def call() -> object:

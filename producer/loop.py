@@ -326,8 +326,7 @@ class LoopState:
         log.error("%s; failing this loop's requests", reason)
         self.dead = reason
         self.client._drop(self)
-        for p in list(self.pending.values()):
-            self._settle(p, error=LMPoolError(reason))
+        self.fail_all(LMPoolError(reason))
 
     # -- lifecycle ------------------------------------------------------------------------
     def fail_all(self, error: BaseException) -> None:
