@@ -335,35 +335,19 @@ class LoopState:
 
     async def _teardown(self, reason: str) -> None:
         """Forget everything (in this loop's last moments): cancel waiters, close clients."""
-        self.closing = True
-        self.dead = reason
+        pending = self._end(reason)
         self.client._drop(self)
-        pending = list(self.pending.values())
         for p in pending:
             self._forget(p)
             for fut in p.futures:
                 fut.cancel()
-        with contextlib.suppress(Exception):
-            await self._tidy(pending)
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
-            await self.listen_redis.aclose()
-
-    async def _tidy(self, pending: list[Pending]) -> None:
-        c = self.client
-        pipe = self.redis.pipeline(transaction=False)
-        for p in pending:
-            pipe.srem(c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest), self.reply_key)
-        pipe.delete(self.reply_key)
-        await pipe.execute()
+        await self._release(pending)
 
     async def close(self, reason: str) -> None:
         """Fail what waits, stop the tasks, tidy Redis, close the clients (in this loop)."""
         if self.closing:
             return
-        self.closing = True
-        self.dead = reason
-        pending = list(self.pending.values())
+        pending = self._end(reason)
         self.fail_all(LMPoolError(reason))
         tasks = [self.listener, self.keeper, *self.background]
         current = asyncio.current_task()
@@ -372,10 +356,28 @@ class LoopState:
             task.cancel()
         if tasks:  # a task blocked inside redis-py may swallow one cancel: do not wait forever
             await asyncio.wait(tasks, timeout=5)
+        await self._release(pending)
+
+    def _end(self, reason: str) -> list[Pending]:
+        """The start of both endings: no new requests from here on; what was pending."""
+        self.closing = True
+        self.dead = reason
+        return list(self.pending.values())
+
+    async def _release(self, pending: list[Pending]) -> None:
+        """The last step of both endings: take this loop's reply list out of the waiter sets of
+        ``pending``, delete it, close both clients (best effort: Redis may be gone)."""
+        c = self.client
         with contextlib.suppress(Exception):
-            await self._tidy(pending)
-        await self.redis.aclose()
-        await self.listen_redis.aclose()
+            pipe = self.redis.pipeline(transaction=False)
+            for p in pending:
+                waiters = c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest)
+                pipe.srem(waiters, self.reply_key)
+            pipe.delete(self.reply_key)
+            await pipe.execute()
+        for client in (self.redis, self.listen_redis):
+            with contextlib.suppress(Exception):
+                await client.aclose()
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> bool:

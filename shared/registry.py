@@ -17,9 +17,9 @@ from shared.protocol import PROTOCOL_VERSION
 from shared.redis_conn import AnyRedis
 
 
-class ModelMeta(TypedDict):
-    """A model's metadata (``Keys.meta``), published by its workers, read by producers and
-    the status command: everything a producer needs, so its host needs no model files."""
+class ModelDescription(TypedDict):
+    """What a backend reports of its model (``worker.backends.base.ModelInfo``, the same
+    fields as a dataclass: ``tests/test_registry.py`` keeps the two equal)."""
 
     name_or_path: str
     """What the worker loaded (``LMPOOL_MODEL``, or the bundled default's file name)."""
@@ -38,6 +38,12 @@ class ModelMeta(TypedDict):
     """Special tokens and the chat template beyond ``tokenizer_json``."""
     adapters: list[str]
     """LoRA adapters loaded at start-up (``LMPOOL_LORA``)."""
+
+
+class ModelMeta(ModelDescription):
+    """A model's metadata (``Keys.meta``), published by its workers, read by producers and
+    the status command: everything a producer needs, so its host needs no model files."""
+
     backend: str
     max_queue: int
     """Pool-wide: the longest request stream (SUBMIT refuses more)."""

@@ -28,7 +28,8 @@ class EngineDead(RuntimeError):
 
 @dataclass
 class ModelInfo:
-    """What a backend tells the pool about its model (published to Redis for producers)."""
+    """What a backend tells the pool about its model (published to Redis for producers as the
+    model part of its metadata, ``shared.registry.ModelDescription``)."""
 
     name_or_path: str
     fingerprint: str

@@ -2,7 +2,10 @@
 
 Like genlm-backend's ``MockAsyncLM``, the distribution for a prompt is a pure function of its
 token ids (and adapter), so every worker process returns the same tensor for the same prompt:
-one fixed random logit vector, rotated and sharpened by a hash of the prompt.
+one fixed random logit vector, sharpened to one of ``SHARPNESS_LEVELS`` levels and rotated,
+both chosen by a hash of the prompt. The normalized rows of every level are computed once, so a
+row costs one copy: the mock stands for a model whose own time is negligible, and benchmarks
+of the pool's overhead (``bench/overhead.py``) measure the pool, not the mock.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import torch
 
 from shared.tokenizer import byte_tokenizer
 from worker.backends.base import Backend, ModelInfo
+
+SHARPNESS_LEVELS = 16
+"""Distinct sharpness levels (temperatures 1/0.5 .. 1/1.5) of the mock's rows."""
 
 
 class MockBackend(Backend):
@@ -35,7 +41,7 @@ class MockBackend(Backend):
         self.delay_ms = delay_ms
         self.info = ModelInfo(
             name_or_path=f"mock-{vocab_size}",
-            fingerprint=f"mock-v1-{vocab_size}",
+            fingerprint=f"mock-v2-{vocab_size}",
             vocab_size=vocab_size,
             max_length=1 << 16,
             eos_token_ids=[vocab_size - 1],
@@ -46,22 +52,32 @@ class MockBackend(Backend):
             tokenizer_config={"eos_token": tokenizer.eos_token},
         )
 
-    def _row(self, ids: list[int], lora: str | None) -> torch.Tensor:
+    def _fill(self, out: torch.Tensor, ids: list[int], lora: str | None) -> None:
+        """Write the row of ``ids`` into ``out`` (one row of ``vocab_size``)."""
         if self.crash_on.intersection(ids):
             os._exit(70)  # a model that takes the whole process down (segfault, OOM kill)
         if self.fail_on.intersection(ids):
             raise RuntimeError(f"mock model fails on token ids {sorted(self.fail_on)}")
         seed_src = repr((ids, lora)).encode()
         seed = int.from_bytes(hashlib.blake2b(seed_src, digest_size=8).digest(), "little")
-        # one random logit vector, turned and sharpened per prompt: as cheap as a model that
-        # answers in a few microseconds (drawing V normal numbers per row cost ~0.2 ms)
-        shift, scale = seed % self.info.vocab_size, 0.5 + ((seed >> 32) & 0xFFFF) / 0xFFFF
-        return torch.log_softmax(torch.roll(self._logits, shift) * scale, dim=-1)
+        size = self.info.vocab_size
+        shift, level = seed % size, (seed >> 32) % SHARPNESS_LEVELS
+        source = self._levels[level]
+        out[shift:] = source[: size - shift]  # torch.roll(source, shift), into out
+        out[:shift] = source[size - shift :]
+
+    def _row(self, ids: list[int], lora: str | None) -> torch.Tensor:
+        out = torch.empty(self.info.vocab_size)
+        self._fill(out, ids, lora)
+        return out
 
     @functools.cached_property
-    def _logits(self) -> torch.Tensor:
+    def _levels(self) -> torch.Tensor:
+        """``[SHARPNESS_LEVELS, vocab_size]`` normalized log-probs of one random logit vector."""
         g = torch.Generator().manual_seed(0)
-        return torch.randn(self.info.vocab_size, generator=g) * 3
+        logits = torch.randn(self.info.vocab_size, generator=g) * 3
+        scales = 0.5 + torch.arange(SHARPNESS_LEVELS) / (SHARPNESS_LEVELS - 1)
+        return torch.log_softmax(logits * scales[:, None], dim=-1)
 
     def add_lora(self, name: str, path: str) -> None:
         """Adapters change nothing here but the rows' seed (``_row`` hashes the name)."""
@@ -77,7 +93,10 @@ class MockBackend(Backend):
         if self.delay_ms:
             time.sleep((self.delay_ms + 0.1 * len(prompts)) / 1000)
         self._count(prompts)
-        return torch.stack([self._row(p, lora) for p in prompts])
+        out = torch.empty(len(prompts), self.info.vocab_size)
+        for row, prompt in zip(out, prompts, strict=True):
+            self._fill(row, prompt, lora)
+        return out
 
     def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
         rows = [prompt + continuation[:i] for i in range(len(continuation))]
