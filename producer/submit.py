@@ -63,7 +63,7 @@ class Submitter:
         out = []
         for shard, group in groups.items():
             args: list[Any] = [*c.keys.digest_prefixes(c.model, shard)]
-            args += [self.reply_key, ttl_ms, ttl_ms, s.max_queue]
+            args += [self.reply_key, ttl_ms, s.max_queue]
             for p, deadline_ms, force in group:
                 args += [p.digest, int(force), p.message(deadline_ms)]
             keys = [c.keys.stats(c.model, shard), c.stream_of(shard)]

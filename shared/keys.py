@@ -5,7 +5,7 @@ ACL pattern (``~lmpool:*``) covers a tenant and a second prefix isolates a secon
 
 A model's requests are split into ``LMPOOL_SHARDS`` shards (by prompt prefix or affinity key,
 see ``producer.routing``). Everything one request touches atomically, its shard's streams and
-stats and its digest's result, waiters and in-flight marker, carries the shard's hash tag
+stats and its digest's result and waiters, carries the shard's hash tag
 ``{M:S}``: on a Redis Cluster they share one slot, so the SUBMIT and FINISH scripts stay
 single-slot, and the shards of a model spread over the masters. A digest's keys live in the
 slot of the shard its prompt is routed to, which is a function of the prompt (or of an explicit
@@ -33,8 +33,7 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("P:{M:S}:low", "stream", "offline requests of shard `S`"),
     ("P:{M:S}:stats", "hash", "producer-side counters: cache_hits, queued, joined, rejected"),
     ("P:{M:S}:res:D", "string", "result for content digest `D` (the shared output cache)"),
-    ("P:{M:S}:wait:D", "set", "reply lists waiting for digest `D`"),
-    ("P:{M:S}:fly:D", "string", "marks digest `D` as queued, so it is queued only once"),
+    ("P:{M:S}:wait:D", "set", "reply lists waiting for digest `D`; while it exists, `D` is queued"),
     ("P:reply:C", "list", "replies for producer connection `C`"),
     ("P:lora:M", "hash", "adapters added at run time: name -> description (JSON)"),
     ("P:lorafile:M:N:H", "string", "one file of adapter `N` (content hash `H`)"),
@@ -167,20 +166,13 @@ class Keys:
         """SCAN pattern of every cached result of ``model`` (all shards)."""
         return self._k(f"{{{_glob_escape(model)}:*}}", "res", "*")
 
-    def digest_prefixes(self, model: str, shard: int) -> tuple[str, str, str]:
-        """Result, waiters and in-flight key names of ``shard`` without the digest: the
-        SUBMIT and FINISH scripts complete them (see ``shared.scripts``)."""
-        return (
-            self.result(model, shard, ""),
-            self.waiters(model, shard, ""),
-            self.inflight(model, shard, ""),
-        )
+    def digest_prefixes(self, model: str, shard: int) -> tuple[str, str]:
+        """Result and waiters key names of ``shard`` without the digest: the SUBMIT and
+        FINISH scripts complete them (see ``shared.scripts``)."""
+        return self.result(model, shard, ""), self.waiters(model, shard, "")
 
     def waiters(self, model: str, shard: int, digest: str) -> str:
         return self._tagged(model, shard, "wait", digest)
-
-    def inflight(self, model: str, shard: int, digest: str) -> str:
-        return self._tagged(model, shard, "fly", digest)
 
 
 def _glob_escape(text: str) -> str:

@@ -24,31 +24,33 @@ SUBMIT = """
 -- One call per shard for every request a producer sends on one event-loop tick.
 -- KEYS: the shard's stats hash, its stream. The digests' own keys are named inside: every key
 -- of a shard carries the shard's hash tag, so they share the declared keys' slot.
--- ARGV: result, waiters and in-flight key prefixes (a digest completes each), reply list,
---       waiter ttl ms, in-flight ttl ms, max queue, then per request: digest, force, message
---       (force 1: add the message even if the digest is marked in flight: a re-submission
---       of a request whose message Redis may have lost, in a restart or a failover)
+-- ARGV: result and waiters key prefixes (a digest completes each), reply list, waiter ttl ms,
+--       max queue, then per request: digest, force, message
+--       (force 1: add the message even if the digest is already queued: a re-submission of a
+--       request whose message Redis may have lost, in a restart or a failover)
+-- A digest is queued while its waiter set exists: the first asker creates it (and gives it its
+-- first TTL), FINISH deletes it; an asker that finds it joins.
 -- Returns one code per request: 1 the result exists, 0 queued or joined, 2 the queue is full.
-local res, wait, fly = ARGV[1], ARGV[2], ARGV[3]
-local reply, wttl, fttl, maxq = ARGV[4], tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local res, wait = ARGV[1], ARGV[2]
+local reply, wttl, maxq = ARGV[3], ARGV[4], tonumber(ARGV[5])
 local out = {}
 local hits, queued, joined, rejected = 0, 0, 0, 0
 local len = nil
-for i = 8, #ARGV, 3 do
+for i = 6, #ARGV, 3 do
   local d = ARGV[i]
-  local w, f = wait .. d, fly .. d
+  local w = wait .. d
   local code = 0
   if redis.call('EXISTS', res .. d) == 1 then
     hits = hits + 1
     code = 1
   else
     redis.call('SADD', w, reply)
-    if redis.call('PTTL', w) < wttl then redis.call('PEXPIRE', w, wttl) end
-    local first = redis.call('SET', f, '1', 'NX', 'PX', fttl)
+    -- a waiter set without a TTL was created by this SADD: nothing queued it yet
+    local first = redis.call('PEXPIRE', w, wttl, 'NX') == 1
+    if not first then redis.call('PEXPIRE', w, wttl, 'GT') end
     if first or ARGV[i + 1] == '1' then
       if len == nil then len = redis.call('XLEN', KEYS[2]) end
       if len >= maxq then
-        if first then redis.call('DEL', f) end
         redis.call('SREM', w, reply)
         rejected = rejected + 1
         code = 2
@@ -58,7 +60,6 @@ for i = 8, #ARGV, 3 do
         queued = queued + 1
       end
     else
-      redis.call('PEXPIRE', f, fttl, 'GT')
       joined = joined + 1
     end
   end
@@ -74,15 +75,15 @@ return out
 FINISH = """
 -- One call per shard for a batch of finished digests, run after their results are SET.
 -- KEYS: the shard's stats hash (for its slot; the digests' keys share it, see SUBMIT)
--- ARGV: push (1: push each reply here; 0: return the reply lists), reply ttl ms, waiters and
---       in-flight key prefixes, then per digest: digest, reply
+-- ARGV: push (1: push each reply here; 0: return the reply lists), reply ttl ms, waiters key
+--       prefix, then per digest: digest, reply
 -- Takes each digest's waiter set: a SUBMIT before the SET is in it, one after finds the result.
-local push, ttl, wait, fly = ARGV[1] == '1', ARGV[2], ARGV[3], ARGV[4]
+local push, ttl, wait = ARGV[1] == '1', ARGV[2], ARGV[3]
 local out = {}
-for i = 5, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   local w = wait .. ARGV[i]
   local ws = redis.call('SMEMBERS', w)
-  redis.call('DEL', w, fly .. ARGV[i])
+  redis.call('DEL', w)
   if push then
     for _, r in ipairs(ws) do
       redis.call('RPUSH', r, ARGV[i + 1])

@@ -49,7 +49,6 @@ def _built() -> list[str]:
         k.stats(m, s),
         k.result(m, s, d),
         k.waiters(m, s, d),
-        k.inflight(m, s, d),
     ]
 
 

@@ -101,8 +101,8 @@ class Writer:
                         self.keys.result(self.model, job.shard, job.digest), job.result, px=ttl_ms
                     )
             for shard, members in by_shard.items():
-                _, waiters, inflight = self.keys.digest_prefixes(self.model, shard)
-                args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters, inflight]
+                _, waiters = self.keys.digest_prefixes(self.model, shard)
+                args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters]
                 for i in members:
                     args += [jobs[i].digest, replies[i]]
                 FINISH_SCRIPT.queue(pipe, [self.keys.stats(self.model, shard)], args)
