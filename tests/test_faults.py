@@ -266,6 +266,34 @@ async def test_cancelled_requests_are_skipped_by_workers(
     assert int(w.info()["rows"]) < 12
 
 
+@pytest.mark.asyncio
+async def test_a_request_asked_again_after_its_only_asker_left_is_answered(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """The only asker cancels while the entry waits behind a slow step (its waiter set empties
+    and vanishes); asked again, the request is queued again and answered with the right row,
+    well before LMPOOL_RESEND_S, and no entry stays pending."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=300, max_batch=1)
+    r = redis.Redis.from_url(redis_url)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        blocker = asyncio.create_task(lm.next_token_logprobs([9, 9]))
+        await w.wait_counter("requests", 1)
+        first = asyncio.create_task(lm.next_token_logprobs([5, 6]))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        prepared = lm._prepare("logprobs", [5, 6], None, {})
+        waiters = Keys().waiters(MODEL, prepared.shard, prepared.digest)
+        await wait_until(lambda: not r.exists(waiters), 5, "the waiter set to empty")
+        started = time.monotonic()
+        row = await lm.next_token_logprobs([5, 6])
+        assert time.monotonic() - started < 5
+        assert torch.equal(row, reference([5, 6]))
+        await blocker
+    await wait_until(lambda: pending_count(redis_url) == 0, 10, "every entry to be acknowledged")
+    r.close()
+
+
 PRODUCER_SCRIPT = """
 import asyncio, sys
 from producer import RemoteLM
