@@ -93,8 +93,9 @@ class Settings:
     5 s: an arriving interactive request waits for at most one batch this small. Otherwise
     offline batches are ``max_batch``."""
     max_wait_ms: float = 0.0
-    """How long a partly filled batch waits for more requests before it runs. Under load,
-    batches fill anyway while the model runs; a wait only adds latency at low load."""
+    """How long a partly filled batch may wait for more requests before it runs, from when its
+    oldest request was read (the worker reads meanwhile; only when the model is idle). Under
+    load, batches fill anyway while the model runs; a wait only adds latency at low load."""
     max_prompt_tokens: int = 0
     """Longest prompt accepted; 0 means the model's context length."""
     result_ttl_s: int = 600

@@ -160,6 +160,28 @@ async def test_shared_cache_serves_a_second_producer_without_the_queue(
     r.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("max_wait_ms", [0, 2000])
+async def test_a_partly_filled_batch_waits_max_wait_ms_for_company(
+    any_redis_url: str, workers: Callable[..., Any], max_wait_ms: int
+) -> None:
+    """LMPOOL_MAX_WAIT_MS: four requests sent 50 ms apart to an idle worker (max_batch 4) run
+    as one batch when it may wait for company, one by one when it may not."""
+    w = workers(
+        any_redis_url, backend="mock", mock_vocab_size=V, max_batch=4, max_wait_ms=max_wait_ms
+    )
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
+        tasks = []
+        for i in range(4):
+            tasks.append(asyncio.create_task(lm.next_token_logprobs([40, i])))
+            await asyncio.sleep(0.05)
+        rows = await asyncio.gather(*tasks)
+    for i, row in enumerate(rows):
+        assert torch.equal(row, reference([40, i]))
+    assert await w.wait_counter("requests", 4) == 4
+    assert await w.wait_counter("batches", 1) == (1 if max_wait_ms else 4)
+
+
 def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:
     """A plain script: connect with asyncio.run, then only blocking calls."""
     lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL))

@@ -11,6 +11,9 @@ the next one: a next-token request waits for at most the step in progress (the b
 scheduler puts it ahead of the next decode step of running generations). Results are encoded
 in the same thread, right after the step, in the pool's wire dtype.
 
+With ``LMPOOL_MAX_WAIT_MS`` set, an idle model holds a partly filled batch until it fills or
+that long after its oldest job was read, while the reader reads (``gathering``).
+
 Entries taken over from a dead consumer run alone, claimed just before they run: if one of them
 is what killed that consumer, it can take only itself down (its delivery count rises until it
 is dead-lettered), never a batch of innocent ones.
@@ -19,6 +22,7 @@ is dead-lettered), never a batch of innocent ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -82,10 +86,20 @@ class Compute:
         self.steps = 0
         self.busy_s = 0.0
         self.computed = 0
+        self.max_wait_s = settings.max_wait_ms / 1000
+        self.gathering_until = 0.0
+        """While in the future (monotonic), a partly filled batch waits for company."""
+        self.wake_reader: Callable[[], None] = lambda: None
+        """Called when a batch starts waiting for company: the reader then reads meanwhile."""
 
     @property
     def outstanding(self) -> int:
         return len(self.active)
+
+    @property
+    def gathering(self) -> float:
+        """Seconds a partly filled batch still waits for company (``LMPOOL_MAX_WAIT_MS``)."""
+        return max(0.0, self.gathering_until - time.monotonic())
 
     def add(self, jobs: list[Job]) -> None:
         """Queue jobs for the model; settled ones (errors, cache hits, skips) go straight on,
@@ -121,7 +135,28 @@ class Compute:
                 if not self.ready:
                     await self.have.wait()
                 continue
+            if self.max_wait_s and not self.backend.has_work():
+                await self._gather()
             await self.step()
+
+    async def _gather(self) -> None:
+        """With the model idle and fewer than ``max_batch`` jobs ready, wait for more, until
+        ``max_wait_ms`` after the oldest of them was read (the reader reads meanwhile)."""
+        deadline = min(j.read_at for j in self.ready) + self.max_wait_s
+        if len(self.ready) >= self.backend.max_batch or deadline <= time.monotonic():
+            return
+        self.gathering_until = deadline
+        self.wake_reader()
+        try:
+            while len(self.ready) < self.backend.max_batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.have.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.have.wait(), left)
+        finally:
+            self.gathering_until = 0.0
 
     async def step(self, only: list[Job] | None = None) -> None:
         """Submit what is ready (or only ``only``) and run one backend step."""

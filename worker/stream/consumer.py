@@ -97,6 +97,7 @@ class Consumer:
         self.compute = Compute(
             backend, settings, self.writer.add, self._stepped, self.now_ms, self._triage
         )
+        self.compute.wake_reader = self.reader.room.set
         self.adapters = AdapterLoader(redis, backend, settings, self.compute.call)
         self._reclaimable: list[tuple[str, str]] = []
         self._stopping = asyncio.Event()

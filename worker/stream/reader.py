@@ -49,6 +49,10 @@ class ModelState(Protocol):
     def ready(self) -> list[Any]:
         """Jobs read and waiting for the next step."""
 
+    @property
+    def gathering(self) -> float:
+        """Seconds a partly filled batch still waits for company (0: it does not)."""
+
 
 @dataclass(eq=False)
 class Entry:
@@ -171,6 +175,13 @@ class Reader:
                 block_ms = min(block_ms, int(grace_ms) + 1)
             block_ms = max(block_ms, 1)
             self.room.clear()  # before looking: a change after the look wakes the wait below
+            gather_s = model.gathering
+            if gather_s > 0 and mine:
+                # a partly filled batch waits for company (LMPOOL_MAX_WAIT_MS): read what
+                # comes meanwhile
+                reply = await self._xreadgroup(mine, count, max(1, int(gather_s * 1000)))
+                self._mark(reply)
+                return self.parse(reply)
             if model.ready or (model.busy and not offline):
                 # the model is busy or has work waiting: look again as soon as that changes
                 # (offline work may then be read), rather than block on interactive streams
