@@ -166,7 +166,7 @@ async def test_a_partly_filled_batch_waits_max_wait_ms_for_company(
     any_redis_url: str, workers: Callable[..., Any], max_wait_ms: int
 ) -> None:
     """LMPOOL_MAX_WAIT_MS: four requests sent 50 ms apart to an idle worker (max_batch 4) run
-    as one batch when it may wait for company, one by one when it may not."""
+    as one batch when it may wait for company, not all together when it may not."""
     w = workers(
         any_redis_url, backend="mock", mock_vocab_size=V, max_batch=4, max_wait_ms=max_wait_ms
     )
@@ -179,7 +179,11 @@ async def test_a_partly_filled_batch_waits_max_wait_ms_for_company(
     for i, row in enumerate(rows):
         assert torch.equal(row, reference([40, i]))
     assert await w.wait_counter("requests", 4) == 4
-    assert await w.wait_counter("batches", 1) == (1 if max_wait_ms else 4)
+    batches = await w.wait_counter("batches", 1)
+    if max_wait_ms:
+        assert batches == 1
+    else:  # each runs when read (on a cluster, a shard read late may bring two together)
+        assert batches > 1
 
 
 def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:
