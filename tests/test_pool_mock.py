@@ -186,6 +186,25 @@ async def test_a_partly_filled_batch_waits_max_wait_ms_for_company(
         assert batches > 1
 
 
+@pytest.mark.asyncio
+async def test_a_stop_ends_the_wait_for_company(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A worker waiting up to 20 s for company for a lone request answers it and exits soon
+    after SIGTERM, not after the wait."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, max_batch=4, max_wait_ms=20_000)
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=30) as lm:
+        request = asyncio.create_task(lm.next_token_logprobs([41, 1]))
+        await asyncio.sleep(1.0)
+        assert not request.done()  # held for company
+        started = asyncio.get_running_loop().time()
+        code = await asyncio.to_thread(w.terminate, 15)
+        row = await asyncio.wait_for(request, 10)
+        assert asyncio.get_running_loop().time() - started < 10
+    assert code == 0
+    assert torch.equal(row, reference([41, 1]))
+
+
 def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:
     """A plain script: connect with asyncio.run, then only blocking calls."""
     lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL))

@@ -136,19 +136,20 @@ class Compute:
                     await self.have.wait()
                 continue
             if self.max_wait_s and not self.backend.has_work():
-                await self._gather()
+                await self._gather(done)
             await self.step()
 
-    async def _gather(self) -> None:
+    async def _gather(self, done: Callable[[], bool]) -> None:
         """With the model idle and fewer than ``max_batch`` jobs ready, wait for more, until
-        ``max_wait_ms`` after the oldest of them was read (the reader reads meanwhile)."""
+        ``max_wait_ms`` after the oldest of them was read (the reader reads meanwhile), or
+        until reading is over (``done()``: the worker stops)."""
         deadline = min(j.read_at for j in self.ready) + self.max_wait_s
         if len(self.ready) >= self.backend.max_batch or deadline <= time.monotonic():
             return
         self.gathering_until = deadline
         self.wake_reader()
         try:
-            while len(self.ready) < self.backend.max_batch:
+            while len(self.ready) < self.backend.max_batch and not done():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return

@@ -178,8 +178,9 @@ class Reader:
             gather_s = model.gathering
             if gather_s > 0 and mine:
                 # a partly filled batch waits for company (LMPOOL_MAX_WAIT_MS): read what
-                # comes meanwhile
-                reply = await self._xreadgroup(mine, count, max(1, int(gather_s * 1000)))
+                # comes meanwhile (no longer than any blocking read: a stop waits for it)
+                block_ms = min(block_ms, max(1, int(gather_s * 1000)))
+                reply = await self._xreadgroup(mine, count, block_ms)
                 self._mark(reply)
                 return self.parse(reply)
             if model.ready or (model.busy and not offline):
