@@ -83,8 +83,10 @@ async def test_redis_restart_with_aof_mid_load_loses_nothing(
     workers: Callable[..., Any], tmp_path: Any
 ) -> None:
     with RedisServer(appendonly=True) as server:
-        # 19 batches of 16 at ~50 ms: about a second of work, restarted half-way
-        workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=50)
+        # 19 batches of 16 at ~50 ms: about a second of work, restarted half-way. A read whose
+        # reply the restart cut off leaves entries pending to a worker that never saw them: it
+        # takes them back after LMPOOL_CLAIM_AFTER_S (their results exist by then: cache hits)
+        workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=50, claim_after_s=1)
         prompts = [[i % 256, 3, i // 256] for i in range(300)]
         async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=120) as lm:
             tasks = [asyncio.create_task(lm.next_token_logprobs(p)) for p in prompts]
@@ -94,7 +96,7 @@ async def test_redis_restart_with_aof_mid_load_loses_nothing(
             results = await asyncio.gather(*tasks)
         for got, ids in zip(results, prompts, strict=True):
             assert torch.equal(got, reference(ids))
-        assert pending_count(server.url) == 0
+        await wait_until(lambda: pending_count(server.url) == 0, 30, "no entry left pending")
 
 
 @pytest.mark.asyncio
