@@ -360,9 +360,12 @@ def test_scores_run_together(backend: Any, reference: Reference) -> None:
 def test_scores_share_steps_with_adapters_and_generations(
     backend: Any, model_dir: Path, adapter_dir: Path, reference: Reference
 ) -> None:
-    """Prompt log-probs in a step with other requests and other adapters: vLLM computes them
+    """Scores submitted with other requests and other adapters: vLLM computes prompt log-probs
     with a per-request LoRA mapping, which breaks with a LoRA on lm_head (the backend keeps
-    lm_head out of the engine's LoRA targets); here each score must match its reference."""
+    lm_head out of the engine's LoRA targets) and, on the CPU, gave the base model's score
+    another adapter's values in one run of three while adapters shared a step (the backend
+    now lets a score into the engine only beside works of its own adapter); here each score
+    must match its reference."""
     merged = Reference(model_dir, adapter_dir)
     prompt, cont = [5, 9, 11, 13], [17, 19, 23, 29, 31]
     works = [

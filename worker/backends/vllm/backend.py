@@ -76,6 +76,8 @@ class VLLMBackend(Backend):
         self.watch = EngineWatch(lambda: self.engine)
         self.rows = RowFetcher(capture, self.watch)
         self._inflight: dict[str, Work] = {}
+        self._held: list[Work] = []
+        """Works waiting for the engine to hold only their adapter (see ``_may_join``)."""
         self._ready: list[Work] = []
         self._ids = itertools.count()
         self._prefix = f"lmpool-{uuid.uuid4().hex[:8]}-"
@@ -147,25 +149,55 @@ class VLLMBackend(Backend):
     def submit(self, works: Sequence[Work]) -> None:
         with self._engine_lock:
             for work in works:
-                if self.watch.dead is not None or self.engine is None:
-                    # left unanswered: step() raises EngineDead and the entries are reclaimed
-                    self._inflight[f"dead-{next(self._ids)}"] = work
-                    continue
-                try:
-                    self._add(work)
-                except EngineDead:
-                    self._inflight[f"dead-{next(self._ids)}"] = work
-                except Exception as e:
-                    if self.watch.is_dead():
-                        self._inflight[f"dead-{next(self._ids)}"] = work
-                        continue
-                    if client_error(e):
-                        e = InvalidRequest(f"vLLM refused the request: {e}")  # e.g. too long
-                    work.error = e
-                    self._ready.append(work)
+                if self._may_join(work):
+                    self._enter(work)
+                else:
+                    self._held.append(work)
+
+    def _may_join(self, work: Work) -> bool:
+        """Whether ``work`` may enter the engine now. vLLM computes a score's prompt log-probs
+        with a per-request adapter mapping that, on the CPU, applied another request's adapter
+        now and then when requests of several adapters shared a step (one run in three of
+        ``test_scores_share_steps_with_adapters_and_generations``). So a score enters only
+        when every work in the engine has its adapter, and no work of another adapter enters
+        while a score is in the engine or waits for it."""
+        if self.watch.dead is not None or self.engine is None:
+            return True  # answered by _enter as the dead engine's
+        inside = list(self._inflight.values())
+        if work.kind == "score":
+            return all(w.lora == work.lora for w in inside)
+        scores = [w for w in [*inside, *self._held] if w.kind == "score"]
+        return all(w.lora == work.lora for w in scores)
+
+    def _enter(self, work: Work) -> None:
+        if self.watch.dead is not None or self.engine is None:
+            # left unanswered: step() raises EngineDead and the entries are reclaimed
+            self._inflight[f"dead-{next(self._ids)}"] = work
+            return
+        try:
+            self._add(work)
+        except EngineDead:
+            self._inflight[f"dead-{next(self._ids)}"] = work
+        except Exception as e:
+            if self.watch.is_dead():
+                self._inflight[f"dead-{next(self._ids)}"] = work
+                return
+            if client_error(e):
+                e = InvalidRequest(f"vLLM refused the request: {e}")  # e.g. too long
+            work.error = e
+            self._ready.append(work)
+
+    def _release_held(self) -> None:
+        """Let in the held works that may join now (in arrival order)."""
+        held, self._held = self._held, []
+        for work in held:
+            if self._may_join(work):
+                self._enter(work)
+            else:
+                self._held.append(work)
 
     def has_work(self) -> bool:
-        return bool(self._inflight or self._ready)
+        return bool(self._inflight or self._ready or self._held)
 
     def step(self) -> list[Work]:
         """The works finished at the engine's next step (blocks until the engine core sends
@@ -173,6 +205,7 @@ class VLLMBackend(Backend):
         with self._engine_lock:
             if self.watch.dead is not None:
                 raise EngineDead(self.watch.dead)
+            self._release_held()
             if self._ready or not self._inflight:
                 done, self._ready = self._ready, []
                 return done
