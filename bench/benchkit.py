@@ -65,6 +65,42 @@ def output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--append", action="store_true", help="append to --out, not replace")
 
 
+def cache_args(parser: argparse.ArgumentParser) -> None:
+    """``--maxmemory-mb`` (Redis' cap, ``volatile-lru``; 0: none) and ``--result-ttl-s`` (how
+    long results are kept while the cache grows)."""
+    parser.add_argument(
+        "--maxmemory-mb",
+        type=int,
+        default=512,
+        help="Redis' memory cap (volatile-lru), filled before measuring; 0: an unbounded cache",
+    )
+    parser.add_argument(
+        "--result-ttl-s", type=int, default=2, help="results' lifetime in an unbounded cache"
+    )
+
+
+def fill_cache(url: str, value_bytes: int) -> int:
+    """Fill a capped Redis with expiring values of ``value_bytes`` until it evicts (they go
+    first, being the least recently used); returns how many were written."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    value = os.urandom(value_bytes)
+    n = 0
+    try:
+        while True:
+            stats: Any = r.info("stats")
+            if stats["evicted_keys"]:  # full once Redis has evicted one
+                return n
+            pipe = r.pipeline(transaction=False)
+            for _ in range(64):
+                pipe.set(f"bench:fill:{n}", value, px=3_600_000)
+                n += 1
+            pipe.execute()
+    finally:
+        r.close()
+
+
 def command_line() -> str:
     """The command that started this script, as typed from the repository root."""
     script = Path(sys.argv[0]).resolve()

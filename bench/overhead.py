@@ -11,6 +11,14 @@ Pool: a real worker process (``arq worker.WorkerSettings``, mock backend at voca
 one torch thread) and ``producer.RemoteLM`` with N concurrent distinct requests (neither cache can
 answer), for each ``--wire-dtype``.
 
+The shared cache as deployed, at its steady state (the default): Redis capped at
+``--maxmemory-mb`` with ``volatile-lru`` (``docker-compose.yml`` caps it at 4 GB) and filled
+before the first cell with expiring filler values of a row's size, results kept for the default
+``LMPOOL_RESULT_TTL_S``: each new result takes the memory of an evicted one. With
+``--maxmemory-mb 0`` the cache grows instead (results kept ``--result-ttl-s``, 2 s by default
+there): every result then lands on pages Redis has not touched yet, and the page faults cost
+Redis about twice the CPU of the rest of the request (``docs/performance.md``).
+
 CPU per request: user + system time from ``/proc/PID/stat`` of the producer (this process), the
 worker process and the Redis server over the measured window, divided by the requests completed
 in it. The machine's cores are shared by all three, so on a small machine CPU, not latency,
@@ -78,11 +86,23 @@ async def measure(
 async def run(args: argparse.Namespace, report: Report) -> None:
     levels = [int(x) for x in args.in_flight.split(",")]
     dtypes = [d for d in args.wire_dtypes.split(",") if d]
-    with RedisServer() as server:
+    bounded = args.maxmemory_mb > 0
+    with RedisServer(maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru") as server:
         url = server.url
         assert server.proc is not None
         redis_pid = server.proc.pid
         report.line(f"# redis: {server.binary}, loopback; mock vocabulary {VOCAB:,}")
+        if bounded:
+            filled = benchkit.fill_cache(url, 4 * VOCAB)
+            report.line(
+                f"# cache: maxmemory {args.maxmemory_mb} MB, volatile-lru, filled with {filled} "
+                "expiring rows first; results kept the default LMPOOL_RESULT_TTL_S"
+            )
+        else:
+            report.line(
+                f"# cache: unbounded, growing; results kept {args.result_ttl_s} s "
+                "(LMPOOL_RESULT_TTL_S)"
+            )
         report.line(
             f"# {args.warm:g} s warm-up + {args.seconds:g} s measured per cell, {args.repeat} "
             "pass(es) in alternating order; worker: 1 torch thread"
@@ -104,7 +124,8 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                     model_name=f"mock-{VOCAB}-{dtype}",
                     # float32 is the default: not naming it lets this script measure older code
                     **({} if dtype == "float32" else {"wire_dtype": dtype}),
-                    result_ttl_s=2,  # results of distinct prompts pile up at ~200 KB each
+                    # unbounded, results of distinct prompts pile up at ~200 KB each
+                    **({} if bounded else {"result_ttl_s": args.result_ttl_s}),
                     torch_threads=1,
                     log_level="WARNING",
                 ).start()
@@ -190,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wire-dtypes", default="float32,float16", help="pools to run, by LMPOOL_WIRE_DTYPE"
     )
+    benchkit.cache_args(parser)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per cell")
     parser.add_argument("--warm", type=float, default=0.5, help="warm-up seconds per cell")
     parser.add_argument("--repeat", type=int, default=2, help="passes over every cell")

@@ -99,12 +99,16 @@ class SyncState:
         deadline = time.monotonic() + timeout_s
         wanted = {p.digest: p for p in items}
         results: dict[str, bytes] = {}
-        self._submit(list(wanted.values()), timeout_s, results)
+        again = self._submit(list(wanted.values()), timeout_s, results)
         waiting = set(wanted) - set(results)
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RequestTimeout(f"no answer from model {c.model!r} within {timeout_s:g}s")
+            if again:  # gone from the cache before it was read (evicted): compute it again
+                again = self._submit(again, left, results, force=True)
+                waiting = set(wanted) - set(results)
+                continue
             popped = self.redis.blmpop(
                 min(left, LISTEN_BLOCK_S),
                 1,
@@ -112,7 +116,7 @@ class SyncState:
                 direction="LEFT",
                 count=REPLIES_PER_POP,
             )
-            fetch, again = [], []
+            fetch = []
             for raw in popped[1] if popped else []:
                 digest, outcome = protocol.decode_reply(raw)
                 if digest not in waiting:
@@ -125,9 +129,7 @@ class SyncState:
                     fetch.append(digest)
                 else:
                     results[digest] = outcome
-            self._fetch(fetch, wanted, results)
-            if again:
-                self._submit(again, deadline - time.monotonic(), results, force=True)
+            again += self._fetch(fetch, wanted, results)
             waiting = set(wanted) - set(results)
         return results
 
@@ -137,8 +139,9 @@ class SyncState:
         timeout_s: float,
         results: dict[str, bytes],
         force: bool = False,
-    ) -> None:
-        """Submit ``items``; results already cached go straight into ``results``."""
+    ) -> list[Prepared]:
+        """Submit ``items``; results already cached go straight into ``results``. Returns those
+        whose result was gone by the time it was read (to submit again)."""
         c = self.client
         deadline_ms = int(c.redis_now_ms() + 1000 * timeout_s)
         calls = self.submitter.calls([(p, deadline_ms, force) for p in items])
@@ -159,22 +162,27 @@ class SyncState:
                 raise QueueFull(f"queue of model {c.model!r} is full; retry later")
             elif isinstance(outcome, Exception):
                 raise LMPoolError(f"submit failed: {outcome!r}")
-        self._fetch(fetch, {p.digest: p for p in items}, results)
+        return self._fetch(fetch, {p.digest: p for p in items}, results)
 
     def _fetch(
         self, digests: list[str], wanted: dict[str, Prepared], results: dict[str, bytes]
-    ) -> None:
+    ) -> list[Prepared]:
+        """Read the results of ``digests`` into ``results``; returns those that are gone
+        (evicted, or lost in a failover, since they were written)."""
         if not digests:
-            return
+            return []
         c = self.client
         keys = [c.keys.result(c.model, wanted[d].shard, d) for d in digests]
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
+        gone = []
         for digest, value in zip(digests, pipe.execute(), strict=True):
             if value is None:
-                raise LMPoolError(f"result {digest} vanished from the cache before it was read")
-            results[digest] = value
+                gone.append(wanted[digest])
+            else:
+                results[digest] = value
+        return gone
 
     def close(self) -> None:
         try:

@@ -59,7 +59,9 @@ class RedisServer:
     """A ``redis-server`` process on a free loopback port, in its own directory.
 
     ``appendonly=True`` keeps an AOF so ``restart()`` brings the data back; ``password`` and
-    ``acl_lines`` (``user NAME on >pw ~prefix:* +@all``) protect it.
+    ``acl_lines`` (``user NAME on >pw ~prefix:* +@all``) protect it. ``maxmemory_mb`` caps its
+    memory, with ``maxmemory_policy`` deciding what a full server does (``volatile-lru``, as in
+    ``docker-compose.yml``: evict cached results first).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class RedisServer:
         appendonly: bool = False,
         acl_lines: list[str] | None = None,
         maxmemory_mb: int = 0,
+        maxmemory_policy: str = "noeviction",
         tls: bool = False,
         binary: str | None = None,
     ) -> None:
@@ -79,6 +82,7 @@ class RedisServer:
         self.appendonly = appendonly
         self.acl_lines = acl_lines or []
         self.maxmemory_mb = maxmemory_mb
+        self.maxmemory_policy = maxmemory_policy
         self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="lmpool-redis-"))
         if tls:
@@ -131,7 +135,8 @@ class RedisServer:
                 "--tls-auth-clients", "no",
             ]  # fmt: skip
         if self.maxmemory_mb:
-            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb"]
+            args += ["--maxmemory-policy", self.maxmemory_policy]
         if self.acl_lines:
             acl = self.dir / "users.acl"
             lines = list(self.acl_lines)

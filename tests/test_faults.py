@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -294,6 +295,83 @@ async def test_a_request_asked_again_after_its_only_asker_left_is_answered(
         await blocker
     await wait_until(lambda: pending_count(redis_url) == 0, 10, "every entry to be acknowledged")
     r.close()
+
+
+class Evictor(threading.Thread):
+    """Deletes every result the moment it is first written (as Redis evicts under
+    ``maxmemory``), from keyspace notifications."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.r = redis.Redis.from_url(url)
+        self.r.config_set("notify-keyspace-events", "K$")
+        self.sub = self.r.pubsub()
+        self.deleted: set[bytes] = set()
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        self.sub.psubscribe("__keyspace@0__:lmpool:*:res:*")  # results written from now on
+        super().start()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            m = self.sub.get_message(timeout=0.1)
+            if m and m["type"] == "pmessage" and m["data"] == b"set":
+                key = m["channel"].split(b":", 1)[1]
+                if key not in self.deleted:
+                    self.deleted.add(key)
+                    self.r.delete(key)
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.is_alive():
+            self.join(5)
+        self.sub.close()
+        self.r.close()
+
+
+@pytest.mark.asyncio
+async def test_results_evicted_before_they_are_read_are_computed_again(
+    workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every result vanishes as it is written, before its askers read it (an eviction under
+    ``maxmemory``; the askers read 50 ms late here): async and blocking callers still get every
+    right row, each computed a second time."""
+    from producer.loop import LoopState
+    from producer.submit import SyncState
+
+    async def late_fetch(self: Any, *args: Any) -> Any:
+        await asyncio.sleep(0.05)
+        return await fetch(self, *args)
+
+    def late_fetch_sync(self: Any, *args: Any) -> Any:
+        time.sleep(0.05)
+        return fetch_sync(self, *args)
+
+    fetch, fetch_sync = LoopState._fetch, SyncState._fetch
+    monkeypatch.setattr(LoopState, "_fetch", late_fetch)
+    monkeypatch.setattr(SyncState, "_fetch", late_fetch_sync)
+    vocab = 2000  # rows of 8 KB: read from the cache, not carried in the reply
+    with RedisServer() as server:
+        w = workers(server.url, backend="mock", mock_vocab_size=vocab)
+        evictor = Evictor(server.url)
+        try:
+            async with await RemoteLM.connect(server.url, model=f"mock-{vocab}") as lm:
+                # first, with nothing evicted: the worker loads its scripts (a write that meets
+                # NOSCRIPT runs again whole, SET included)
+                await lm.next_token_logprobs([1, 10])
+                evictor.start()
+                prompts = [[i, 11] for i in range(16)]
+                rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+                sync_prompts = [[i, 12] for i in range(16)]
+                sync_rows = await asyncio.to_thread(lm.batch_next_token_logprobs_sync, sync_prompts)
+        finally:
+            evictor.stop()
+        backend = MockBackend(vocab)
+        for p, row in zip(prompts + sync_prompts, [*rows, *sync_rows], strict=True):
+            assert torch.equal(row, backend.logprobs([p], None)[0])
+        assert len(evictor.deleted) == 32
+        assert await w.wait_counter("computed", 65) == 65
 
 
 PRODUCER_SCRIPT = """

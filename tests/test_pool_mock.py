@@ -205,6 +205,29 @@ async def test_a_stop_ends_the_wait_for_company(
     assert torch.equal(row, reference([41, 1]))
 
 
+@pytest.mark.asyncio
+async def test_one_request_at_a_time_costs_the_worker_one_read_each(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """With one request in flight the worker reads its streams about once per request: not
+    again while the request's step runs (its read found them drained; what arrives meanwhile is read
+    when the step ends)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    r = connect_redis_sync(redis_url)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        await lm.next_token_logprobs([50])
+        r.config_resetstat()
+        n = 60
+        for i in range(n):
+            assert torch.equal(await lm.next_token_logprobs([50, i]), reference([50, i]))
+        stats: Any = r.info("commandstats")
+    r.close()
+    reads = stats["cmdstat_xreadgroup"]["calls"]
+    # one each; after every fourth step two more (a look at the own shards, then at the offline
+    # streams: their guaranteed share); before the change about 2.1 per request
+    assert n <= reads < 1.75 * n
+
+
 def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:
     """A plain script: connect with asyncio.run, then only blocking calls."""
     lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL))

@@ -200,9 +200,9 @@ class Compute:
         for job in finished:
             self.active.pop(job.digest, None)
         self.computed += len(finished)
-        self.on_step(works, seconds)
-        if finished:
+        if finished:  # first: the writer's task then runs ahead of the reader woken below
             self.on_finished(finished)
+        self.on_step(works, seconds)
 
     async def _check_again(self, jobs: list[Job]) -> list[Job]:
         """Jobs that waited here longer than ``TRIAGE_AFTER_MS`` since they were read are

@@ -253,7 +253,7 @@ class Consumer:
         if works:
             high = [w.high for w in works]
             self.reader.note_step(any(high), not any(high))
-        self.reader.room.set()
+        self.reader.step_ended()
 
     def _written(self, jobs: list[Job]) -> None:
         self.stats.record(jobs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ class Reader:
         self._last_interactive = -1e9
         self._offline_after = 0.0
         self._held_back = 0
+        self._drained = False
+        """A read of the own streams came back short and no step has ended since: reading them
+        again before the next step ends would find only what arrived in between."""
 
     async def ensure_groups(self) -> None:
         """Create the consumer group on each stream; idempotent."""
@@ -110,9 +114,14 @@ class Reader:
                     raise
 
     # -- the offline policy ---------------------------------------------------------------
+    def step_ended(self) -> None:
+        """Called after each compute step: what arrived during it is read before the next."""
+        self._drained = False
+        self.room.set()
+
     def note_step(self, interactive: bool, offline_only: bool) -> None:
-        """Called after each compute step: holds offline work back briefly after interactive
-        steps, except for its guaranteed share."""
+        """Called after each compute step that ran works: holds offline work back briefly after
+        interactive steps, except for its guaranteed share."""
         if interactive:
             self._last_interactive = time.monotonic()
         if offline_only:
@@ -158,10 +167,15 @@ class Reader:
             # read, the blocking read below is that read
             passes: list[tuple[list[str], int]] = []
             if stealable or offline or model.busy or model.ready:
-                passes = [(mine, count), (stealable, count), (low, offline)]
+                # own shards found drained since the last step: what came meanwhile waits for
+                # the step's end all the same (one round trip less per step)
+                own = [] if self._drained else mine
+                passes = [(own, count), (stealable, count), (low, offline)]
             for streams, n in passes:
                 if streams and n:
                     reply = await self._xreadgroup(streams, n)
+                    if streams is mine:
+                        self._note_read(reply, n)
                     if reply:
                         self._mark(reply)
                         return self.parse(reply)
@@ -186,16 +200,15 @@ class Reader:
             if model.ready or (model.busy and not offline):
                 # the model is busy or has work waiting: look again as soon as that changes
                 # (offline work may then be read), rather than block on interactive streams
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.room.wait(), block_ms / 1000)
+                await wait_event(self.room, block_ms / 1000)
                 return []
             streams = [*mine, *low] if offline else mine
             if not streams:
                 await asyncio.sleep(block_ms / 1000)
                 return []
-            reply = await self._xreadgroup(
-                streams, min(count, offline) if offline else count, block_ms
-            )
+            n = min(count, offline) if offline else count
+            reply = await self._xreadgroup(streams, n, block_ms)
+            self._note_read(reply, n)
             self._mark(reply)
             return self.parse(reply)
         except ResponseError as e:
@@ -230,6 +243,10 @@ class Reader:
             count=count,
             block=min(block_ms, CLUSTER_BLOCK_MS),
         )
+
+    def _note_read(self, reply: Any, asked: int) -> None:
+        """After a read of the own streams: short, they are drained for now."""
+        self._drained = sum(len(items) for _, items in reply or []) < asked
 
     def _mark(self, reply: Any) -> None:
         for stream, _ in reply or []:
@@ -309,6 +326,23 @@ class Reader:
                 )
             )
         return out
+
+
+if sys.version_info >= (3, 11):
+
+    async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
+        """Wait until ``event`` is set or ``timeout_s`` passed (no extra task, unlike
+        ``asyncio.wait_for`` on Python 3.11)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+
+else:
+
+    async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
+        """Wait until ``event`` is set or ``timeout_s`` passed."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
 
 
 def _s(value: Any) -> str:
