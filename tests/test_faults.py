@@ -374,6 +374,37 @@ async def test_results_evicted_before_they_are_read_are_computed_again(
         assert await w.wait_counter("computed", 65) == 65
 
 
+@pytest.mark.asyncio
+async def test_a_full_capped_redis_evicts_results_and_every_answer_is_right(
+    workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis as deployed (``maxmemory``, ``volatile-lru``), small enough that the pool's own
+    results overfill it: 240 distinct requests for 196 KB rows, 16 in flight, then 16 blocking
+    ones, all answered right while Redis evicts."""
+    monkeypatch.setenv("LMPOOL_RESEND_S", "1")  # an evicted waiter set or reply list: ask again
+    vocab = 49_152
+    with RedisServer(maxmemory_mb=24, maxmemory_policy="volatile-lru") as server:
+        workers(server.url, backend="mock", mock_vocab_size=vocab)
+        async with await RemoteLM.connect(server.url, model=f"mock-{vocab}") as lm:
+            slots = asyncio.Semaphore(16)
+
+            async def ask(ids: list[int]) -> torch.Tensor:
+                async with slots:
+                    return await lm.next_token_logprobs(ids)
+
+            prompts = [[i, 13] for i in range(240)]
+            rows = await asyncio.gather(*(ask(p) for p in prompts))
+            sync_prompts = [[i, 14] for i in range(16)]
+            sync_rows = await asyncio.to_thread(lm.batch_next_token_logprobs_sync, sync_prompts)
+        r = redis.Redis.from_url(server.url)
+        stats: Any = r.info("stats")
+        r.close()
+    backend = MockBackend(vocab)
+    for p, row in zip(prompts + sync_prompts, [*rows, *sync_rows], strict=True):
+        assert torch.equal(row, backend.logprobs([p], None)[0])
+    assert stats["evicted_keys"] > 0
+
+
 PRODUCER_SCRIPT = """
 import asyncio, sys
 from producer import RemoteLM
