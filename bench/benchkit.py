@@ -79,6 +79,30 @@ def cache_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@contextlib.contextmanager
+def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A private Redis as ``cache_args`` chose it: capped (``volatile-lru``) and filled first
+    with expiring values of ``row_bytes``, so the shared cache is at its steady state, or
+    unbounded. Yields the server and the worker settings that go with it; reports the choice."""
+    from shared.redis_server import RedisServer
+
+    with RedisServer(maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru") as server:
+        if args.maxmemory_mb > 0:
+            filled = fill_cache(server.url, row_bytes)
+            report.line(
+                f"# cache: maxmemory {args.maxmemory_mb} MB, volatile-lru, filled with {filled} "
+                "expiring rows first; results kept the default LMPOOL_RESULT_TTL_S"
+            )
+            yield server, {}
+        else:
+            report.line(
+                f"# cache: unbounded, growing; results kept {args.result_ttl_s} s "
+                "(LMPOOL_RESULT_TTL_S)"
+            )
+            # results of distinct prompts pile up at a row each
+            yield server, {"result_ttl_s": args.result_ttl_s}
+
+
 def fill_cache(url: str, value_bytes: int) -> int:
     """Fill a capped Redis with expiring values of ``value_bytes`` until it evicts (they go
     first, being the least recently used); returns how many were written."""

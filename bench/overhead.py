@@ -40,8 +40,6 @@ import benchkit
 from benchkit import Cell, Report, closed_loop
 from reply_paths import VOCAB, PathClient, lmpool_call, wait_flag
 
-from shared.redis_server import RedisServer
-
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -86,23 +84,11 @@ async def measure(
 async def run(args: argparse.Namespace, report: Report) -> None:
     levels = [int(x) for x in args.in_flight.split(",")]
     dtypes = [d for d in args.wire_dtypes.split(",") if d]
-    bounded = args.maxmemory_mb > 0
-    with RedisServer(maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru") as server:
+    with benchkit.cache_redis(args, report, 4 * VOCAB) as (server, cache_settings):
         url = server.url
         assert server.proc is not None
         redis_pid = server.proc.pid
         report.line(f"# redis: {server.binary}, loopback; mock vocabulary {VOCAB:,}")
-        if bounded:
-            filled = benchkit.fill_cache(url, 4 * VOCAB)
-            report.line(
-                f"# cache: maxmemory {args.maxmemory_mb} MB, volatile-lru, filled with {filled} "
-                "expiring rows first; results kept the default LMPOOL_RESULT_TTL_S"
-            )
-        else:
-            report.line(
-                f"# cache: unbounded, growing; results kept {args.result_ttl_s} s "
-                "(LMPOOL_RESULT_TTL_S)"
-            )
         report.line(
             f"# {args.warm:g} s warm-up + {args.seconds:g} s measured per cell, {args.repeat} "
             "pass(es) in alternating order; worker: 1 torch thread"
@@ -124,8 +110,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                     model_name=f"mock-{VOCAB}-{dtype}",
                     # float32 is the default: not naming it lets this script measure older code
                     **({} if dtype == "float32" else {"wire_dtype": dtype}),
-                    # unbounded, results of distinct prompts pile up at ~200 KB each
-                    **({} if bounded else {"result_ttl_s": args.result_ttl_s}),
+                    **cache_settings,
                     torch_threads=1,
                     log_level="WARNING",
                 ).start()

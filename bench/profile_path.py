@@ -31,8 +31,6 @@ import redis
 from benchkit import Report, closed_loop
 from reply_paths import VOCAB, lmpool_call
 
-from shared.redis_server import RedisServer
-
 
 def folded_top(path: Path, top: int) -> list[tuple[str, float]]:
     """Leaf frames of py-spy's folded stacks by share of samples."""
@@ -52,14 +50,14 @@ def commandstats(r: redis.Redis) -> dict[str, tuple[int, float]]:
 
 
 async def run(args: argparse.Namespace, report: Report) -> None:
-    with RedisServer() as server:
+    with benchkit.cache_redis(args, report, 4 * VOCAB) as (server, cache_settings):
         url = server.url
         worker = benchkit.Worker(
             url,
             extra_env={"OMP_NUM_THREADS": "1"},
             backend="mock",
             mock_vocab_size=VOCAB,
-            result_ttl_s=2,
+            **cache_settings,
             torch_threads=1,
             log_level="WARNING",
             **dict(s.split("=", 1) for s in args.setting),
@@ -129,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--setting", action="append", default=[], help="extra worker setting NAME=VALUE"
     )
+    benchkit.cache_args(parser)
     benchkit.output_args(parser)
     return benchkit.run_reported(run, parser.parse_args(argv))
 

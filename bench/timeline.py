@@ -24,8 +24,6 @@ import benchkit
 from benchkit import Report
 from reply_paths import VOCAB, lmpool_call
 
-from shared.redis_server import RedisServer
-
 PROBES = Path(__file__).resolve().parent / "timeline_probe"
 sys.path.insert(0, str(PROBES))
 
@@ -90,7 +88,10 @@ def durations(events: list[tuple[int, str]]) -> dict[str, list[float]]:
 async def run(args: argparse.Namespace, report: Report) -> None:
     from producer import loop
 
-    with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
+    with (
+        benchkit.cache_redis(args, report, 4 * VOCAB) as (server, cache_settings),
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         marks_file = Path(tmp) / "worker-marks.txt"
         path = os.pathsep.join(
             filter(None, [str(PROBES), str(benchkit.REPO), os.environ.get("PYTHONPATH")])
@@ -105,7 +106,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             backend="mock",
             mock_vocab_size=VOCAB,
             model_name=f"mock-{VOCAB}",
-            result_ttl_s=2,
+            **cache_settings,
             torch_threads=1,
             log_level="WARNING",
         ).start()
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="probed requests")
     parser.add_argument("--warm", type=int, default=300, help="warm-up requests")
+    benchkit.cache_args(parser)
     benchkit.output_args(parser)
     return benchkit.run_reported(run, parser.parse_args(argv))
 
