@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from shared import registry
+from shared.aio import wait_event
 from shared.errors import ProtocolError, SettingsError
 from shared.keys import Keys
 from shared.protocol import PROTOCOL_VERSION
@@ -191,10 +192,7 @@ class PoolWorker:
 
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
-            try:
-                await asyncio.wait_for(self._stopping.wait(), timeout=self.settings.heartbeat_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._stopping, self.settings.heartbeat_s)
             if self._stopping.is_set():
                 return
             try:

@@ -22,13 +22,13 @@ is dead-lettered), never a batch of innocent ones.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from shared.aio import wait_event
 from shared.codec import torch_dtype
 from shared.errors import Expired, WorkerError
 from shared.protocol import encode_result
@@ -154,8 +154,7 @@ class Compute:
                 if left <= 0:
                     return
                 self.have.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.have.wait(), left)
+                await wait_event(self.have, left)
         finally:
             self.gathering_until = 0.0
 

@@ -10,8 +10,6 @@ an interactive request that arrives meanwhile waits for at most one short step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from typing import Any, Protocol
 from redis.exceptions import ResponseError
 
 from shared import protocol
+from shared.aio import wait_event
 from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, AnyRedis
 from shared.settings import Settings
@@ -326,23 +325,6 @@ class Reader:
                 )
             )
         return out
-
-
-if sys.version_info >= (3, 11):
-
-    async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
-        """Wait until ``event`` is set or ``timeout_s`` passed (no extra task, unlike
-        ``asyncio.wait_for`` on Python 3.11)."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await event.wait()
-
-else:
-
-    async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
-        """Wait until ``event`` is set or ``timeout_s`` passed."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout_s)
 
 
 def _s(value: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from shared.aio import wait_event
 from shared.keys import GROUP
 from worker.stream.consumer import Consumer
 from worker.stream.reader import stream_gone
@@ -59,10 +60,7 @@ async def reclaim_once(consumer: Consumer) -> int:
 async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
     period = min(max(consumer.settings.claim_after_s / 2, 0.2), 10.0)
     while not stopping.is_set():
-        try:
-            await asyncio.wait_for(stopping.wait(), timeout=period)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(stopping, period)
         if stopping.is_set():
             return
         try:
