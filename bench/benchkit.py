@@ -270,6 +270,29 @@ def genlm_transformer(
     return AsyncTransformer(model.eval(), tokenizer, batch_size=batch_size)
 
 
+async def mock_pool(
+    url: str, vocab: int, name: str, extra_env: dict[str, str] | None = None, **settings: Any
+) -> tuple[Worker, Any]:
+    """A mock worker of ``vocab`` serving ``name`` as the overhead benchmarks run it (one torch
+    thread, ``OMP_NUM_THREADS=1``, warnings only; ``settings`` add to that), started, and a
+    ``RemoteLM`` connected to it. The worker is stopped if the connect fails."""
+    worker = Worker(
+        url,
+        extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})},
+        backend="mock",
+        mock_vocab_size=vocab,
+        model_name=name,
+        torch_threads=1,
+        log_level="WARNING",
+        **settings,
+    ).start()
+    try:
+        return worker, await connect_remote_lm(worker, url, name, 120, 60)
+    except BaseException:
+        worker.stop()
+        raise
+
+
 async def connect_remote_lm(
     worker: Worker, redis_url: str, model: str, timeout_s: float, request_timeout_s: float
 ) -> Any:

@@ -38,20 +38,9 @@ async def measure(
     url: str, redis_pids: list[int], arq_url: str, vocab: int, dtype: str, args: Any
 ) -> dict[str, float]:
     name = f"mock-{vocab}-{dtype}"
-    worker = benchkit.Worker(
-        url,
-        extra_env={"OMP_NUM_THREADS": "1"},
-        backend="mock",
-        mock_vocab_size=vocab,
-        model_name=name,
-        wire_dtype=dtype,
-        result_ttl_s=2,
-        torch_threads=1,
-        log_level="WARNING",
-        **({"arq_redis_url": arq_url} if arq_url != url else {}),
-    ).start()
+    arq: dict[str, Any] = {"arq_redis_url": arq_url} if arq_url != url else {}
+    worker, lm = await benchkit.mock_pool(url, vocab, name, wire_dtype=dtype, result_ttl_s=2, **arq)
     try:
-        lm: Any = await benchkit.connect_remote_lm(worker, url, name, 120, 60)
         call = lmpool_call(lm, vocab)
         await closed_loop(call, args.in_flight, 0.5, 1.0)  # warm up
         assert worker.proc is not None

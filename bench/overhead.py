@@ -102,20 +102,15 @@ async def run(args: argparse.Namespace, report: Report) -> None:
         try:
             wait_flag(url, "bench:worker-ready", bare, 60)
             for dtype in dtypes:
-                worker = benchkit.Worker(
+                pools[dtype] = await benchkit.mock_pool(
                     url,
-                    extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-                    backend="mock",
-                    mock_vocab_size=VOCAB,
-                    model_name=f"mock-{VOCAB}-{dtype}",
+                    VOCAB,
+                    f"mock-{VOCAB}-{dtype}",
+                    extra_env={"MKL_NUM_THREADS": "1"},
                     # float32 is the default: not naming it lets this script measure older code
                     **({} if dtype == "float32" else {"wire_dtype": dtype}),
                     **cache_settings,
-                    torch_threads=1,
-                    log_level="WARNING",
-                ).start()
-                lm = await benchkit.connect_remote_lm(worker, url, f"mock-{VOCAB}-{dtype}", 120, 60)
-                pools[dtype] = (worker, lm)
+                )
             labels = ["bare", *(f"pool {d}" for d in dtypes)]
             for n in levels:
                 for rep in range(args.repeat):

@@ -52,22 +52,17 @@ def commandstats(r: redis.Redis) -> dict[str, tuple[int, float]]:
 async def run(args: argparse.Namespace, report: Report) -> None:
     with benchkit.cache_redis(args, report, 4 * VOCAB) as (server, cache_settings):
         url = server.url
-        worker = benchkit.Worker(
+        worker, lm = await benchkit.mock_pool(
             url,
-            extra_env={"OMP_NUM_THREADS": "1"},
-            backend="mock",
-            mock_vocab_size=VOCAB,
+            VOCAB,
+            f"mock-{VOCAB}",
             **cache_settings,
-            torch_threads=1,
-            log_level="WARNING",
             **dict(s.split("=", 1) for s in args.setting),
-        ).start()
-        lm: Any = None
+        )
         spy: subprocess.Popen[bytes] | None = None
         raw = Path(args.out).with_suffix(".pyspy.txt") if args.out else None
         spy_out = raw or Path(tempfile.mkdtemp()) / "pyspy.txt"
         try:
-            lm = await benchkit.connect_remote_lm(worker, url, f"mock-{VOCAB}", 120, 60)
             call = lmpool_call(lm)
             await closed_loop(call, args.in_flight, 0.5, 1.0)  # warm up
             r = redis.Redis.from_url(url)
@@ -89,8 +84,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             r.close()
             spy.wait(timeout=60)
         finally:
-            if lm is not None:
-                await lm.close()
+            await lm.close()
             worker.stop()
     n = max(cell.done, 1)
     report.line(

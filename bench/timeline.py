@@ -96,21 +96,13 @@ async def run(args: argparse.Namespace, report: Report) -> None:
         path = os.pathsep.join(
             filter(None, [str(PROBES), str(benchkit.REPO), os.environ.get("PYTHONPATH")])
         )
-        worker = benchkit.Worker(
+        worker, lm = await benchkit.mock_pool(
             server.url,
-            extra_env={
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": path,
-                "BENCH_TIMELINE_OUT": str(marks_file),
-            },
-            backend="mock",
-            mock_vocab_size=VOCAB,
-            model_name=f"mock-{VOCAB}",
+            VOCAB,
+            f"mock-{VOCAB}",
+            extra_env={"PYTHONPATH": path, "BENCH_TIMELINE_OUT": str(marks_file)},
             **cache_settings,
-            torch_threads=1,
-            log_level="WARNING",
-        ).start()
-        lm = await benchkit.connect_remote_lm(worker, server.url, f"mock-{VOCAB}", 120, 60)
+        )
         try:
             call = lmpool_call(lm)
             bare = await requests(call, args.warm)  # warm-up, unprobed producer
