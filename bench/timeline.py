@@ -108,6 +108,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             bare = await requests(call, args.warm)  # warm-up, unprobed producer
             bare = await requests(call, args.requests)
             timeline_marks.wrap(loop.LoopState, "_flush", "producer SUBMIT")
+            timeline_marks.wrap(loop.LoopState, "_send_whole", "producer SUBMIT + pop + GET")
             timeline_marks.wrap(loop.LoopState, "_deliver", "producer reply")
             timeline_marks.wrap(loop.LoopState, "_fetch", "producer GET")
             timeline_marks.EVENTS.clear()

@@ -18,8 +18,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from producer.submit import LISTEN_BLOCK_S, REPLIES_PER_POP, Prepared, Submitter
 from shared import protocol
+from shared.aio import wait_event
 from shared.errors import Expired, LMPoolError, ProtocolError, QueueFull, RequestTimeout
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis
 from shared.scripts import SUBMIT_SCRIPT, execute, run_script
@@ -64,6 +67,14 @@ class LoopState:
         self.dead: str | None = None
         """Why this state can no longer serve (set when its loop ends or it is closed)."""
         self.backoff = Backoff()
+        self.wake = asyncio.Event()
+        """Set when the listener may have replies to wait for (it pops only then)."""
+        self.listening = False
+        """The listener is popping replies (or about to): a lone request goes the usual way."""
+        self.whole: Pending | None = None
+        """The request now sent whole (SUBMIT, pop and GET in one round trip), if any."""
+        self.whole_ok = not isinstance(self.listen_redis, RedisCluster)
+        """A cluster refuses SUBMIT's push to the reply list (a key of another slot)."""
         self.listener = loop.create_task(self._listen(), name="lmpool-listener")
         self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
         self.listener.add_done_callback(self._listener_done)
@@ -169,6 +180,16 @@ class LoopState:
         self.flush_scheduled = False
         if not batch:
             return
+        if (
+            len(batch) == 1
+            and len(self.pending) == 1
+            and self.whole is None
+            and not self.listening
+            and self.whole_ok
+        ):
+            await self._send_whole(batch[0])
+            return
+        self.wake.set()
         by_digest = {p.prepared.digest: p for p in batch}
         items = [(p.prepared, self._deadline_ms(p), p.force) for p in batch]
         for p in batch:
@@ -207,17 +228,62 @@ class LoopState:
             if outcome == "fetch":
                 fetch.append(prepared.digest)
             elif outcome == "full":
-                s = self.client.settings
-                self._settle(p, error=QueueFull(
-                    f"queue of model {self.client.model!r} holds LMPOOL_MAX_QUEUE="
-                    f"{s.max_queue} requests; retry later"
-                ))  # fmt: skip
+                self._settle(p, error=self._queue_full())
             elif isinstance(outcome, TRANSIENT):
                 self._enqueue(p)
             elif isinstance(outcome, Exception):
                 self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
         if fetch:
             await self._fetch(fetch)
+
+    async def _send_whole(self, p: Pending) -> None:
+        """A request alone in this loop: SUBMIT, the pop of its reply and the GET of its result
+        in one pipeline (``Submitter.queue_whole``), so that the result comes back with the
+        reply. The listener does not pop meanwhile (this pipeline's pop is the one Redis serves
+        first); if the request is still waiting when the pop returns, the listener takes over."""
+        self.whole = p
+        force, p.force = p.force, False
+        pipe = self.listen_redis.pipeline(transaction=False)
+        self.submitter.queue_whole(pipe, p.prepared, self._deadline_ms(p), force, LISTEN_BLOCK_S)
+        try:
+            answers = await pipe.execute(raise_on_error=False)
+        except TRANSIENT as e:
+            wait = self.backoff.step()
+            log.warning("cannot submit to Redis (%r); retrying in %.2fs", e, wait)
+            self.whole = None
+            await asyncio.sleep(wait)
+            self._enqueue(p, force)
+            return
+        except Exception as e:  # never leave a caller waiting for a submission that failed
+            log.exception("submitting a request failed")
+            self._settle(p, error=LMPoolError(f"submitting the request failed: {e!r}"))
+            return
+        finally:
+            self.whole = None
+        self.backoff.reset()
+        outcome, replies, value = Submitter.whole_outcome(answers)
+        digest = p.prepared.digest
+        if self.pending.get(digest) is p:
+            if outcome == "full":
+                self._settle(p, error=self._queue_full())
+            elif isinstance(outcome, TRANSIENT):
+                self._enqueue(p, force)
+            elif isinstance(outcome, Exception):
+                self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
+            elif value is not None:
+                self._settle(p, value)
+        fetch = self._deliver(replies)
+        if self.pending.get(digest) is p and p not in self.queue:
+            self.wake.set()  # unanswered when the pop returned: the listener waits for it
+        if fetch:
+            await self._fetch(fetch)
+
+    def _queue_full(self) -> QueueFull:
+        s = self.client.settings
+        return QueueFull(
+            f"queue of model {self.client.model!r} holds LMPOOL_MAX_QUEUE={s.max_queue} "
+            "requests; retry later"
+        )
 
     async def _fetch(self, digests: list[str]) -> None:
         """Read the results of ``digests`` from the cache and hand them over; one that is gone
@@ -271,6 +337,12 @@ class LoopState:
                     # redis-py (asyncio.wait_for on Python 3.11) can swallow a cancel: the
                     # loop ending under us must still end this task
                     raise asyncio.CancelledError
+                if not self._awaited():
+                    self.listening = False
+                    self.wake.clear()
+                    await wait_event(self.wake, LISTEN_BLOCK_S)
+                    continue
+                self.listening = True
                 try:
                     popped = await self.listen_redis.blmpop(  # type: ignore[misc]
                         LISTEN_BLOCK_S,
@@ -295,6 +367,12 @@ class LoopState:
             if not self.closing:  # the loop is ending (asyncio.run returns): let go of it all
                 await self._teardown("the event loop this request ran in ended")
             raise
+
+    def _awaited(self) -> bool:
+        """A reply is awaited that no whole request's own pop is waiting for."""
+        whole = self.whole
+        mine = whole is not None and self.pending.get(whole.prepared.digest) is whole
+        return len(self.pending) > int(mine)
 
     def _deliver(self, raws: list[bytes]) -> list[str]:
         """Settle what the replies answer; returns the digests whose results are to be read."""

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from shared import protocol
@@ -50,10 +51,11 @@ class Submitter:
         self.reply_key = reply_key
 
     def calls(
-        self, items: list[tuple[Prepared, int, bool]]
+        self, items: list[tuple[Prepared, int, bool]], marker: bytes = b""
     ) -> list[tuple[list[Prepared], list[str], list[Any]]]:
         """One SUBMIT call per shard for ``(prepared, deadline_ms, force)`` items:
-        ``(requests, keys, args)``."""
+        ``(requests, keys, args)``; ``marker`` goes onto the reply list when a request was
+        neither queued nor joined (see :meth:`queue_whole`)."""
         c = self.client
         s = c.settings
         ttl_ms = int(s.timeout_s * 1000) + 5_000
@@ -63,12 +65,42 @@ class Submitter:
         out = []
         for shard, group in groups.items():
             args: list[Any] = [*c.keys.digest_prefixes(c.model, shard)]
-            args += [self.reply_key, ttl_ms, s.max_queue]
+            args += [self.reply_key, ttl_ms, s.max_queue, marker]
             for p, deadline_ms, force in group:
                 args += [p.digest, int(force), p.message(deadline_ms)]
             keys = [c.keys.stats(c.model, shard), c.stream_of(shard)]
             out.append(([p for p, _, _ in group], keys, args))
         return out
+
+    def queue_whole(
+        self, pipe: Any, prepared: Prepared, deadline_ms: int, force: bool, block_s: float
+    ) -> None:
+        """A lone request in one round trip, queued on ``pipe`` (a single Redis only): SUBMIT,
+        then a blocking pop of this reply list, then a GET of the result.
+
+        Redis runs a client's commands in order and holds the GET until the pop returns: when
+        the worker's FINISH pushes the reply, the result is already SET, and the GET sends it
+        back with the reply, instead of a round trip after it. SUBMIT pushes a marker of its
+        own when it neither queued nor joined the request (the result exists, or the queue is
+        full), so that the pop never waits for a reply that will not come; EVAL, not EVALSHA,
+        for the same reason: a NOSCRIPT would leave the pop waiting. :meth:`whole_outcome`
+        reads the three answers."""
+        c = self.client
+        marker = protocol.encode_reply(prepared.digest)
+        ((_, keys, args),) = self.calls([(prepared, deadline_ms, force)], marker)
+        SUBMIT_SCRIPT.queue_source(pipe, keys, args)
+        pipe.blmpop(block_s, 1, self.reply_key, direction="LEFT", count=REPLIES_PER_POP)
+        pipe.get(c.keys.result(c.model, prepared.shard, prepared.digest))
+
+    @staticmethod
+    def whole_outcome(answers: list[Any]) -> tuple[Any, list[bytes], bytes | None]:
+        """``(outcome, replies, value)`` of :meth:`queue_whole`'s answers: the SUBMIT outcome
+        as :meth:`outcomes` gives it, the replies popped (for any request of this list), and
+        the result's value if it existed once the pop returned."""
+        codes, popped, value = answers
+        outcome = codes if isinstance(codes, Exception) else ("wait", "fetch", "full")[codes[0]]
+        replies = [] if popped is None or isinstance(popped, Exception) else popped[1]
+        return outcome, replies, value if isinstance(value, bytes) else None
 
     @staticmethod
     def outcomes(
@@ -93,13 +125,18 @@ class SyncState:
         self.submitter = Submitter(
             client, client.keys.reply(f"{client.client_id}-t{uuid.uuid4().hex[:8]}")
         )
+        self.whole_ok = not isinstance(self.redis, SyncRedisCluster)
+        """A cluster refuses SUBMIT's push to the reply list (a key of another slot)."""
 
     def request_many(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
         c = self.client
         deadline = time.monotonic() + timeout_s
         wanted = {p.digest: p for p in items}
         results: dict[str, bytes] = {}
-        again = self._submit(list(wanted.values()), timeout_s, results)
+        if len(wanted) == 1 and self.whole_ok:
+            again = self._submit_whole(items[0], timeout_s, results)
+        else:
+            again = self._submit(list(wanted.values()), timeout_s, results)
         waiting = set(wanted) - set(results)
         while waiting:
             left = deadline - time.monotonic()
@@ -116,22 +153,48 @@ class SyncState:
                 direction="LEFT",
                 count=REPLIES_PER_POP,
             )
-            fetch = []
-            for raw in popped[1] if popped else []:
-                digest, outcome = protocol.decode_reply(raw)
-                if digest not in waiting:
-                    continue
-                if isinstance(outcome, Expired):
-                    again.append(wanted[digest])  # an earlier asker's deadline: ours is later
-                elif isinstance(outcome, BaseException):
-                    raise outcome
-                elif outcome is None:
-                    fetch.append(digest)
-                else:
-                    results[digest] = outcome
-            again += self._fetch(fetch, wanted, results)
+            again += self._take(popped[1] if popped else [], wanted, results)
             waiting = set(wanted) - set(results)
         return results
+
+    def _take(
+        self, replies: list[bytes], wanted: dict[str, Prepared], results: dict[str, bytes]
+    ) -> list[Prepared]:
+        """Put what ``replies`` answer into ``results`` (reading what they name from the
+        cache); returns the requests to submit again; raises an error a reply carries."""
+        fetch, again = [], []
+        for raw in replies:
+            digest, outcome = protocol.decode_reply(raw)
+            if digest not in wanted or digest in results:
+                continue
+            if isinstance(outcome, Expired):
+                again.append(wanted[digest])  # an earlier asker's deadline: ours is later
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            elif outcome is None:
+                fetch.append(digest)
+            else:
+                results[digest] = outcome
+        return again + self._fetch(fetch, wanted, results)
+
+    def _submit_whole(
+        self, p: Prepared, timeout_s: float, results: dict[str, bytes]
+    ) -> list[Prepared]:
+        """One request in one round trip (``Submitter.queue_whole``): into ``results`` when
+        answered within the pop's block; returns it when it is to be submitted again."""
+        c = self.client
+        deadline_ms = int(c.redis_now_ms() + 1000 * timeout_s)
+        pipe = self.redis.pipeline(transaction=False)
+        self.submitter.queue_whole(pipe, p, deadline_ms, False, min(timeout_s, LISTEN_BLOCK_S))
+        outcome, replies, value = Submitter.whole_outcome(pipe.execute(raise_on_error=False))
+        if outcome == "full":
+            raise QueueFull(f"queue of model {c.model!r} is full; retry later")
+        if isinstance(outcome, Exception):
+            raise LMPoolError(f"submit failed: {outcome!r}")
+        if value is not None:
+            results[p.digest] = value
+            return []
+        return self._take(replies, {p.digest: p}, results)
 
     def _submit(
         self,

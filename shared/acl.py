@@ -11,7 +11,7 @@ import sys
 # Commands a producer sends, directly or from the SUBMIT script (scripts run with the
 # caller's permissions), plus connection set-up.
 PRODUCER_COMMANDS = (
-    "evalsha", "eval", "script|load", "script|exists",  # SUBMIT
+    "evalsha", "eval", "script|load", "script|exists", "rpush",  # SUBMIT
     "exists", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen", "hincrby",  # SUBMIT
     "get", "mget",  # results
     "blmpop",  # replies

@@ -25,18 +25,20 @@ SUBMIT = """
 -- KEYS: the shard's stats hash, its stream. The digests' own keys are named inside: every key
 -- of a shard carries the shard's hash tag, so they share the declared keys' slot.
 -- ARGV: result and waiters key prefixes (a digest completes each), reply list, waiter ttl ms,
---       max queue, then per request: digest, force, message
+--       max queue, marker, then per request: digest, force, message
+--       (marker: pushed onto the reply list when a request was not queued or joined, so that
+--       a pop of that list queued behind this call returns at once; '' pushes nothing)
 --       (force 1: add the message even if the digest is already queued: a re-submission of a
 --       request whose message Redis may have lost, in a restart or a failover)
 -- A digest is queued while its waiter set exists: the first asker creates it (and gives it its
 -- first TTL), FINISH deletes it; an asker that finds it joins.
 -- Returns one code per request: 1 the result exists, 0 queued or joined, 2 the queue is full.
 local res, wait = ARGV[1], ARGV[2]
-local reply, wttl, maxq = ARGV[3], ARGV[4], tonumber(ARGV[5])
+local reply, wttl, maxq, marker = ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local out = {}
 local hits, queued, joined, rejected = 0, 0, 0, 0
 local len = nil
-for i = 6, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   local d = ARGV[i]
   local w = wait .. d
   local code = 0
@@ -69,6 +71,10 @@ if hits > 0 then redis.call('HINCRBY', KEYS[1], 'cache_hits', hits) end
 if queued > 0 then redis.call('HINCRBY', KEYS[1], 'queued', queued) end
 if joined > 0 then redis.call('HINCRBY', KEYS[1], 'joined', joined) end
 if rejected > 0 then redis.call('HINCRBY', KEYS[1], 'rejected', rejected) end
+if marker ~= '' and hits + rejected > 0 then
+  redis.call('RPUSH', reply, marker)
+  redis.call('PEXPIRE', reply, wttl)
+end
 return out
 """
 
@@ -109,6 +115,11 @@ class Script:
         # execute_command: redis-py's cluster pipeline refuses its evalsha method (it routes
         # EVALSHA by its first key all the same)
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def queue_source(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Queue an EVAL with the source: never NOSCRIPT, for a pipeline whose later commands
+        must not run after a failed call (Redis hashes the 2 KB source each time: microseconds)."""
+        pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
     async def load(self, redis: Any) -> None:
         await redis.script_load(self.source)

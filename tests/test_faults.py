@@ -21,6 +21,7 @@ import redis
 import torch
 
 from producer import RemoteLM
+from producer.submit import LISTEN_BLOCK_S
 from shared import protocol
 from shared.errors import DeadLettered, InvalidRequest, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
@@ -187,7 +188,7 @@ async def test_a_dead_lettered_request_answers_its_waiters_and_keeps_little(
     SUBMIT_SCRIPT.load_sync(r)
     code = r.execute_command(
         "EVALSHA", SUBMIT_SCRIPT.sha, 2, KEYS.stats(MODEL, 0), KEYS.stream(MODEL, "high", 0),
-        *prefixes, reply, 60_000, 1000, digest, 0, huge,
+        *prefixes, reply, 60_000, 1000, b"", digest, 0, huge,
     )  # fmt: skip
     assert code == [0]
     popped = cast("tuple[bytes, bytes] | None", r.blpop([reply], timeout=10))
@@ -233,6 +234,38 @@ async def test_a_full_queue_rejects_new_requests_clearly(
     answered = [o for o in outcomes if isinstance(o, torch.Tensor)]
     assert rejected and answered and len(rejected) + len(answered) == 30
     assert "LMPOOL_MAX_QUEUE=5" in str(rejected[0])
+
+
+@pytest.mark.asyncio
+async def test_a_lone_request_to_a_full_queue_fails_at_once(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A request alone in its producer goes out with the pop of its reply in one pipeline; a
+    full queue's refusal must end that pop at once (SUBMIT pushes a marker), not after it
+    blocked."""
+    workers(
+        redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=1000, max_batch=1, max_queue=2
+    )
+    r = redis.Redis.from_url(redis_url)
+    async with (
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as busy,
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lone,
+    ):
+        filling = asyncio.gather(
+            *(busy.next_token_logprobs([i, 3]) for i in range(8)), return_exceptions=True
+        )
+        while sum(cast(int, r.xlen(s)) for s in STREAMS) < 2:
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        with pytest.raises(QueueFull, match="LMPOOL_MAX_QUEUE=2"):
+            await lone.next_token_logprobs([99, 3])
+        with pytest.raises(QueueFull):
+            lone.next_token_logprobs_sync([98, 3])
+        assert time.monotonic() - started < LISTEN_BLOCK_S / 2, "a refusal waited for a reply"
+        outcomes = await filling
+    r.close()
+    answered = {i: o for i, o in enumerate(outcomes) if isinstance(o, torch.Tensor)}
+    assert answered and all(torch.equal(o, reference([i, 3])) for i, o in answered.items())
 
 
 @pytest.mark.asyncio

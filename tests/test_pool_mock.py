@@ -4,6 +4,7 @@ test run on a single server and on a Redis Cluster (3 masters, 3 replicas)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from producer import RemoteLM
+from producer.submit import LISTEN_BLOCK_S
 from shared.errors import InvalidRequest, NoWorker, RequestTimeout
 from shared.keys import Keys
 from shared.redis_conn import connect_redis_sync
@@ -226,6 +228,41 @@ async def test_one_request_at_a_time_costs_the_worker_one_read_each(
     # one each; after every fourth step two more (a look at the own shards, then at the offline
     # streams: their guaranteed share); before the change about 2.1 per request
     assert n <= reads < 1.75 * n
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
+async def test_a_lone_request_gets_its_result_in_the_round_trip_that_submits_it(
+    redis_url: str, workers: Callable[..., Any], blocking: bool
+) -> None:
+    """One request in flight: SUBMIT (as EVAL), the pop of its reply and the GET of its result
+    leave in one pipeline, so the result (8 KB here, too large to ride inside the reply) comes
+    back with the reply: every SUBMIT is an EVAL (the pipeline's form) and every reply is
+    popped by its own pipeline, the listener popping nothing. A result already in the shared
+    cache ends the pop at once (SUBMIT pushes a marker)."""
+    big = 2048
+    workers(redis_url, backend="mock", mock_vocab_size=big)
+    r = connect_redis_sync(redis_url)
+    async with await RemoteLM.connect(redis_url, model=f"mock-{big}", cache_size=0) as lm:
+
+        async def ask(ids: list[int]) -> torch.Tensor:
+            return (
+                lm.next_token_logprobs_sync(ids) if blocking else await lm.next_token_logprobs(ids)
+            )
+
+        await ask([60])
+        r.config_resetstat()
+        n = 20
+        for i in range(n):
+            assert torch.equal(await ask([60, i]), MockBackend(big).logprobs([[60, i]], None)[0])
+        started = time.monotonic()
+        assert torch.equal(await ask([60, 0]), MockBackend(big).logprobs([[60, 0]], None)[0])
+        hit_s = time.monotonic() - started
+        stats: Any = r.info("commandstats")
+    r.close()
+    calls = {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "blmpop")}
+    assert calls == {"eval": n + 1, "blmpop": n + 1}
+    assert hit_s < LISTEN_BLOCK_S / 2, "the pop of a cache hit waited for a reply"
 
 
 def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:

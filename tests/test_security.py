@@ -44,6 +44,10 @@ async def test_tenants_under_acl_rules_cannot_read_each_other(
         async with await RemoteLM.connect(model=MODEL, settings=a) as lm:
             assert torch.equal(await lm.next_token_logprobs([1, 2]), reference([1, 2]))
             assert torch.equal(lm.next_token_logprobs_sync([3]), reference([3]))
+        # answered from the shared cache: SUBMIT pushes its own marker (RPUSH) for a lone request
+        async with await RemoteLM.connect(model=MODEL, settings=a, cache_size=0) as lm:
+            assert torch.equal(await lm.next_token_logprobs([1, 2]), reference([1, 2]))
+            assert torch.equal(lm.next_token_logprobs_sync([3]), reference([3]))
         b = Settings(redis_url=server.url_for("pb", "ppb"), key_prefix="tb")
         async with await RemoteLM.connect(model=MODEL, settings=b) as lm:
             assert torch.equal(await lm.next_token_logprobs([1, 2]), reference([1, 2]))
