@@ -16,6 +16,7 @@ from typing import Any, cast
 import redis as sync_redis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -93,6 +94,34 @@ def _cluster_options(asynchronous: bool) -> dict[str, Any]:
     return {"cluster_error_retry_attempts": CLUSTER_RETRY_ATTEMPTS, "retry": retry}
 
 
+class ReadyPool(ConnectionPool):
+    """redis-py's connection pool without its zero-timeout read before every command.
+
+    Before handing out a connection, redis-py 5 makes sure nothing is left to read on it by
+    reading under ``asyncio.timeout(0)``: a timer, an event-loop iteration and a cancelled read
+    per command, two or three per request on each side of the pool (``bench/overhead.py``: the
+    producer's and the worker's CPU per request at one in flight 10-20% lower without it).
+    redis-py drops a connection whose command failed or was cancelled before its reply was
+    read, so a pooled connection holds nothing unless the server sent something unasked, and
+    what arrived is in the connection's buffers (the stream's and the reply parser's), looked at
+    here without a read; the full check runs when either holds anything or the server closed.
+    """
+
+    async def ensure_connection(self, connection: AbstractConnection) -> None:
+        await connection.connect()  # type: ignore[no-untyped-call]  # a no-op when connected
+        parser: Any = getattr(getattr(connection, "_parser", None), "_reader", None)
+        stream: Any = getattr(connection, "_reader", None)  # its asyncio.StreamReader
+        if (
+            stream is not None
+            and not stream.at_eof()
+            and not stream._buffer
+            and callable(getattr(parser, "has_data", None))
+            and not parser.has_data()
+        ):
+            return
+        await super().ensure_connection(connection)
+
+
 def connect_redis(url: str, **kwargs: Any) -> AnyRedis:
     """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, binary replies; a
     cluster client when the URL names a cluster node (see :func:`is_cluster`, which must have
@@ -120,7 +149,7 @@ def connect_redis(url: str, **kwargs: Any) -> AnyRedis:
         options.update(_cluster_options(asynchronous=True))
         # redis-py's from_url are Any to mypy (Redis.from_url has no return annotation)
         return cast(RedisCluster, RedisCluster.from_url(url, decode_responses=False, **options))
-    return cast(Redis, Redis.from_url(url, decode_responses=False, **options))
+    return Redis.from_pool(ReadyPool.from_url(url, decode_responses=False, **options))
 
 
 def connect_redis_sync(url: str, **kwargs: Any) -> Any:
