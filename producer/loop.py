@@ -18,8 +18,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redis.asyncio.cluster import RedisCluster
-
 from producer.submit import LISTEN_BLOCK_S, REPLIES_PER_POP, Prepared, Submitter
 from shared import protocol
 from shared.aio import wait_event
@@ -73,8 +71,6 @@ class LoopState:
         """The listener is popping replies (or about to): a lone request goes the usual way."""
         self.whole: Pending | None = None
         """The request now sent whole (SUBMIT, pop and GET in one round trip), if any."""
-        self.whole_ok = not isinstance(self.listen_redis, RedisCluster)
-        """A cluster refuses SUBMIT's push to the reply list (a key of another slot)."""
         self.listener = loop.create_task(self._listen(), name="lmpool-listener")
         self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
         self.listener.add_done_callback(self._listener_done)
@@ -185,7 +181,7 @@ class LoopState:
             and len(self.pending) == 1
             and self.whole is None
             and not self.listening
-            and self.whole_ok
+            and self.submitter.whole_ok
         ):
             await self._send_whole(batch[0])
             return
@@ -207,17 +203,10 @@ class LoopState:
 
                 answers = await execute(self.redis, build, [SUBMIT_SCRIPT], raise_on_error=False)
         except TRANSIENT as e:
-            # Redis unreachable: keep the requests; they go again until their own deadline.
-            wait = self.backoff.step()
-            log.warning("cannot submit to Redis (%r); retrying in %.2fs", e, wait)
-            await asyncio.sleep(wait)
-            for p in batch:
-                self._enqueue(p)
+            await self._unreachable(batch, e)
             return
         except Exception as e:  # never leave a caller waiting for a submission that failed
-            log.exception("submitting %d request(s) failed", len(batch))
-            for p in batch:
-                self._settle(p, error=LMPoolError(f"submitting the request failed: {e!r}"))
+            self._failed(batch, e)
             return
         self.backoff.reset()
         fetch = []
@@ -227,14 +216,39 @@ class LoopState:
                 continue
             if outcome == "fetch":
                 fetch.append(prepared.digest)
-            elif outcome == "full":
-                self._settle(p, error=self._queue_full())
-            elif isinstance(outcome, TRANSIENT):
-                self._enqueue(p)
-            elif isinstance(outcome, Exception):
-                self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
+            else:
+                self._refused(p, outcome)
         if fetch:
             await self._fetch(fetch)
+
+    async def _unreachable(
+        self, batch: list[Pending], error: Exception, force: bool = False
+    ) -> None:
+        """Redis unreachable: keep the requests; they go again until their own deadline."""
+        wait = self.backoff.step()
+        log.warning("cannot submit to Redis (%r); retrying in %.2fs", error, wait)
+        await asyncio.sleep(wait)
+        for p in batch:
+            self._enqueue(p, force)
+
+    def _failed(self, batch: list[Pending], error: Exception) -> None:
+        log.exception("submitting %d request(s) failed", len(batch))
+        for p in batch:
+            self._settle(p, error=LMPoolError(f"submitting the request failed: {error!r}"))
+
+    def _refused(self, p: Pending, outcome: Any, force: bool = False) -> None:
+        """Act on a SUBMIT outcome other than queued, joined or cached: a full queue, a call
+        that failed (again later if Redis was unreachable)."""
+        if outcome == "full":
+            s = self.client.settings
+            self._settle(p, error=QueueFull(
+                f"queue of model {self.client.model!r} holds LMPOOL_MAX_QUEUE="
+                f"{s.max_queue} requests; retry later"
+            ))  # fmt: skip
+        elif isinstance(outcome, TRANSIENT):
+            self._enqueue(p, force)
+        elif isinstance(outcome, Exception):
+            self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
 
     async def _send_whole(self, p: Pending) -> None:
         """A request alone in this loop: SUBMIT, the pop of its reply and the GET of its result
@@ -248,15 +262,11 @@ class LoopState:
         try:
             answers = await pipe.execute(raise_on_error=False)
         except TRANSIENT as e:
-            wait = self.backoff.step()
-            log.warning("cannot submit to Redis (%r); retrying in %.2fs", e, wait)
             self.whole = None
-            await asyncio.sleep(wait)
-            self._enqueue(p, force)
+            await self._unreachable([p], e, force)
             return
         except Exception as e:  # never leave a caller waiting for a submission that failed
-            log.exception("submitting a request failed")
-            self._settle(p, error=LMPoolError(f"submitting the request failed: {e!r}"))
+            self._failed([p], e)
             return
         finally:
             self.whole = None
@@ -264,12 +274,8 @@ class LoopState:
         outcome, replies, value = Submitter.whole_outcome(answers)
         digest = p.prepared.digest
         if self.pending.get(digest) is p:
-            if outcome == "full":
-                self._settle(p, error=self._queue_full())
-            elif isinstance(outcome, TRANSIENT):
-                self._enqueue(p, force)
-            elif isinstance(outcome, Exception):
-                self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
+            if outcome not in ("wait", "fetch"):
+                self._refused(p, outcome, force)
             elif value is not None:
                 self._settle(p, value)
         fetch = self._deliver(replies)
@@ -277,13 +283,6 @@ class LoopState:
             self.wake.set()  # unanswered when the pop returned: the listener waits for it
         if fetch:
             await self._fetch(fetch)
-
-    def _queue_full(self) -> QueueFull:
-        s = self.client.settings
-        return QueueFull(
-            f"queue of model {self.client.model!r} holds LMPOOL_MAX_QUEUE={s.max_queue} "
-            "requests; retry later"
-        )
 
     async def _fetch(self, digests: list[str]) -> None:
         """Read the results of ``digests`` from the cache and hand them over; one that is gone

@@ -14,12 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from shared import protocol
 from shared.errors import Expired, LMPoolError, QueueFull, RequestTimeout
-from shared.redis_conn import connect_redis_sync
+from shared.redis_conn import connect_redis_sync, is_cluster
 from shared.scripts import SUBMIT_SCRIPT
 
 if TYPE_CHECKING:
@@ -28,6 +27,8 @@ if TYPE_CHECKING:
 LISTEN_BLOCK_S = 1.0
 """Longest blocking pop of replies (also how soon a closed listener notices)."""
 REPLIES_PER_POP = 512
+OUTCOMES = ("wait", "fetch", "full")
+"""What SUBMIT's codes 0, 1, 2 mean for a request: queued or joined, cached, refused."""
 
 
 @dataclass(eq=False)
@@ -49,6 +50,9 @@ class Submitter:
     def __init__(self, client: PoolClient, reply_key: str) -> None:
         self.client = client
         self.reply_key = reply_key
+        self.whole_ok = not is_cluster(client.settings.redis_url)
+        """Whether :meth:`queue_whole` may be used: a cluster refuses SUBMIT's push to the
+        reply list (a key of another slot)."""
 
     def calls(
         self, items: list[tuple[Prepared, int, bool]], marker: bytes = b""
@@ -98,7 +102,7 @@ class Submitter:
         as :meth:`outcomes` gives it, the replies popped (for any request of this list), and
         the result's value if it existed once the pop returned."""
         codes, popped, value = answers
-        outcome = codes if isinstance(codes, Exception) else ("wait", "fetch", "full")[codes[0]]
+        outcome = codes if isinstance(codes, Exception) else OUTCOMES[codes[0]]
         replies = [] if popped is None or isinstance(popped, Exception) else popped[1]
         return outcome, replies, value if isinstance(value, bytes) else None
 
@@ -113,7 +117,7 @@ class Submitter:
                 if isinstance(codes, Exception):
                     yield p, codes
                 else:
-                    yield p, ("wait", "fetch", "full")[int(codes[j])]
+                    yield p, OUTCOMES[int(codes[j])]
 
 
 class SyncState:
@@ -125,15 +129,13 @@ class SyncState:
         self.submitter = Submitter(
             client, client.keys.reply(f"{client.client_id}-t{uuid.uuid4().hex[:8]}")
         )
-        self.whole_ok = not isinstance(self.redis, SyncRedisCluster)
-        """A cluster refuses SUBMIT's push to the reply list (a key of another slot)."""
 
     def request_many(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
         c = self.client
         deadline = time.monotonic() + timeout_s
         wanted = {p.digest: p for p in items}
         results: dict[str, bytes] = {}
-        if len(wanted) == 1 and self.whole_ok:
+        if len(wanted) == 1 and self.submitter.whole_ok:
             again = self._submit_whole(items[0], timeout_s, results)
         else:
             again = self._submit(list(wanted.values()), timeout_s, results)
@@ -187,10 +189,7 @@ class SyncState:
         pipe = self.redis.pipeline(transaction=False)
         self.submitter.queue_whole(pipe, p, deadline_ms, False, min(timeout_s, LISTEN_BLOCK_S))
         outcome, replies, value = Submitter.whole_outcome(pipe.execute(raise_on_error=False))
-        if outcome == "full":
-            raise QueueFull(f"queue of model {c.model!r} is full; retry later")
-        if isinstance(outcome, Exception):
-            raise LMPoolError(f"submit failed: {outcome!r}")
+        self._raise_refused(outcome)
         if value is not None:
             results[p.digest] = value
             return []
@@ -221,11 +220,17 @@ class SyncState:
         for p, outcome in Submitter.outcomes(calls, answers):
             if outcome == "fetch":
                 fetch.append(p.digest)
-            elif outcome == "full":
-                raise QueueFull(f"queue of model {c.model!r} is full; retry later")
-            elif isinstance(outcome, Exception):
-                raise LMPoolError(f"submit failed: {outcome!r}")
+            else:
+                self._raise_refused(outcome)
         return self._fetch(fetch, {p.digest: p for p in items}, results)
+
+    def _raise_refused(self, outcome: Any) -> None:
+        """Raise what a SUBMIT outcome other than queued, joined or cached means: a full queue,
+        a call that failed."""
+        if outcome == "full":
+            raise QueueFull(f"queue of model {self.client.model!r} is full; retry later")
+        if isinstance(outcome, Exception):
+            raise LMPoolError(f"submit failed: {outcome!r}")
 
     def _fetch(
         self, digests: list[str], wanted: dict[str, Prepared], results: dict[str, bytes]
