@@ -11,6 +11,8 @@ safe to repeat.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from typing import Any, cast
 
 import redis as sync_redis
@@ -94,6 +96,60 @@ def _cluster_options(asynchronous: bool) -> dict[str, Any]:
     return {"cluster_error_retry_attempts": CLUSTER_RETRY_ATTEMPTS, "retry": retry}
 
 
+class DirectSend:
+    """A connection mixin: a command goes onto the socket without a task of its own.
+
+    With a socket timeout set, redis-py 5 sends every command through ``asyncio.wait_for``,
+    which on Python 3.11 runs the send in a new task and wakes the caller through a second
+    future: two event-loop iterations and three callbacks per command, for a write that almost
+    never waits (a transport buffers what the socket does not take at once). Here the command is
+    handed to the transport directly; only when the transport's buffer is above its high-water
+    mark (the server reads slower than we write) is the drain awaited, under the timeout as
+    before. Errors end the same way as in redis-py: the connection dropped, a
+    ``ConnectionError`` or ``TimeoutError`` raised.
+    """
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        conn: Any = self
+        writer: asyncio.StreamWriter | None = conn._writer
+        if not conn.is_connected or writer is None or not conn.socket_timeout:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+            return
+        if check_health:
+            await conn.check_health()  # a PING only when health_check_interval has passed
+        try:
+            if isinstance(command, str):
+                command = command.encode()
+            writer.writelines([command] if isinstance(command, bytes) else command)
+            transport = writer.transport
+            if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+                await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+            else:
+                await writer.drain()  # returns at once (raises if the connection was lost)
+        except asyncio.TimeoutError:
+            await conn.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            await conn.disconnect(nowait=True)
+            raise RedisConnectionError(f"Error while writing to socket: {e!r}.") from e
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+
+
+_DIRECT: dict[type, type] = {}
+
+
+def direct_send(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``connection_class`` (plain, TLS or unix socket) with :class:`DirectSend` mixed in."""
+    if connection_class not in _DIRECT:
+        name = f"DirectSend{connection_class.__name__}"
+        _DIRECT[connection_class] = type(name, (DirectSend, connection_class), {})
+    return _DIRECT[connection_class]
+
+
 class ReadyPool(ConnectionPool):
     """redis-py's connection pool without its zero-timeout read before every command.
 
@@ -106,6 +162,10 @@ class ReadyPool(ConnectionPool):
     what arrived is in the connection's buffers (the stream's and the reply parser's), looked at
     here without a read; the full check runs when either holds anything or the server closed.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection_class = direct_send(self.connection_class)
 
     async def ensure_connection(self, connection: AbstractConnection) -> None:
         await connection.connect()  # type: ignore[no-untyped-call]  # a no-op when connected

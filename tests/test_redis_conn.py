@@ -51,3 +51,78 @@ async def test_a_pooled_connection_with_an_unread_reply_is_replaced(redis_url: s
     assert await r.ping() is True
     assert await r.get("ready-pool") == b"stale"
     await r.aclose()
+
+
+@pytest.mark.asyncio
+async def test_commands_are_sent_without_a_task_each(redis_url: str) -> None:
+    """With a socket timeout, redis-py sends each command in a task of its own
+    (``asyncio.wait_for``); the pool's connections hand it to the transport directly."""
+    r: Any = connect_redis(redis_url)
+    await r.set("direct-send", b"v")  # connects first
+    loop = asyncio.get_running_loop()
+    created = 0
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        nonlocal created
+        created += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(factory)
+    try:
+        for _ in range(20):
+            assert await r.get("direct-send") == b"v"
+        pipe = r.pipeline(transaction=False)
+        pipe.set("direct-send", b"w").get("direct-send")
+        assert await pipe.execute() == [True, b"w"]
+    finally:
+        loop.set_task_factory(None)
+    await r.aclose()
+    assert created == 0
+
+
+@pytest.mark.asyncio
+async def test_a_write_the_server_does_not_read_times_out() -> None:
+    """A server that stops reading: the write waits for the socket under the socket timeout,
+    then fails with redis-py's TimeoutError, and the connection is dropped."""
+    from redis.asyncio import Redis
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = ReadyPool.from_url(
+        f"redis://127.0.0.1:{port}", socket_timeout=0.5, lib_name=None, lib_version=None
+    )
+    r: Any = Redis.from_pool(pool)
+    conn = await pool.get_connection("SET")
+    assert conn.is_connected
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(RedisTimeoutError, match="writing"):
+        await conn.send_packed_command(conn.pack_command("SET", "k", b"x" * (64 << 20)))
+    assert 0.4 < asyncio.get_running_loop().time() - started < 5
+    assert not conn.is_connected
+    await pool.release(conn)
+    await r.aclose()
+    for writer in accepted:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_a_connection_the_server_closed_is_replaced(redis_url: str) -> None:
+    """The server drops the client's connection between two commands: the next command fails
+    on that connection and redis-py's retry runs it on a new one."""
+    r: Any = connect_redis(redis_url)
+    await r.client_setname("to-be-killed")
+    admin: Any = connect_redis(redis_url)
+    for _ in range(3):
+        assert await admin.client_kill_filter(skipme=True, _type=None, laddr=None) >= 1
+        assert await r.set("direct-send", b"again") is True
+        assert await r.get("direct-send") == b"again"
+    await r.aclose()
+    await admin.aclose()
