@@ -90,7 +90,7 @@ class PoolClient:
                 self._sync_states.append(state)
         return state
 
-    async def request(self, prepared: Prepared, timeout_s: float) -> bytes:
+    async def request(self, prepared: Prepared, timeout_s: float) -> bytes | bytearray:
         """Encoded result of ``prepared``, submitting it unless already in flight here."""
         return await self._state().request(prepared, timeout_s)
 

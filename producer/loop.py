@@ -23,6 +23,8 @@ from shared import protocol
 from shared.aio import wait_event
 from shared.errors import Expired, LMPoolError, ProtocolError, QueueFull, RequestTimeout
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis
+from shared.resp import RespConnection
+from shared.resp import supported as resp_supported
 from shared.scripts import SUBMIT_SCRIPT, execute, run_script
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ class Pending:
     deadline: float
     """Loop time after which the last of its callers gives up."""
     timeout_s: float
-    futures: list[asyncio.Future[bytes]] = field(default_factory=list)
+    futures: list[asyncio.Future[bytes | bytearray]] = field(default_factory=list)
     sent_at: float = 0.0
     force: bool = False
     """Its next submission adds the message even if the digest is marked in flight."""
@@ -71,6 +73,8 @@ class LoopState:
         """The listener is popping replies (or about to): a lone request goes the usual way."""
         self.whole: Pending | None = None
         """The request now sent whole (SUBMIT, pop and GET in one round trip), if any."""
+        self.whole_conn = RespConnection(s.redis_url) if resp_supported(s.redis_url) else None
+        """The connection whole requests go by (TLS: ``listen_redis``'s, redis-py's)."""
         self.listener = loop.create_task(self._listen(), name="lmpool-listener")
         self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
         self.listener.add_done_callback(self._listener_done)
@@ -81,7 +85,7 @@ class LoopState:
         return self.submitter.reply_key
 
     # -- requests ---------------------------------------------------------------------------
-    async def request(self, prepared: Prepared, timeout_s: float) -> bytes:
+    async def request(self, prepared: Prepared, timeout_s: float) -> bytes | bytearray:
         if self.dead is not None:
             raise LMPoolError(self.dead)
         loop = self.loop
@@ -100,7 +104,7 @@ class LoopState:
                 self.slots.release()
         if loop.time() + timeout_s > p.deadline:
             p.deadline, p.timeout_s = loop.time() + timeout_s, timeout_s
-        fut: asyncio.Future[bytes] = loop.create_future()
+        fut: asyncio.Future[bytes | bytearray] = loop.create_future()
         p.futures.append(fut)
         try:
             return await fut
@@ -140,7 +144,10 @@ class LoopState:
             self.slots.release()
 
     def _settle(
-        self, p: Pending, result: bytes | None = None, error: BaseException | None = None
+        self,
+        p: Pending,
+        result: bytes | bytearray | None = None,
+        error: BaseException | None = None,
     ) -> None:
         self._forget(p)
         for fut in p.futures:
@@ -252,15 +259,23 @@ class LoopState:
 
     async def _send_whole(self, p: Pending) -> None:
         """A request alone in this loop: SUBMIT, the pop of its reply and the GET of its result
-        in one pipeline (``Submitter.queue_whole``), so that the result comes back with the
-        reply. The listener does not pop meanwhile (this pipeline's pop is the one Redis serves
-        first); if the request is still waiting when the pop returns, the listener takes over."""
+        in one pipeline (``Submitter.whole_commands``), so that the result comes back with the
+        reply, received into a buffer of its own (``shared.resp``). The listener does not pop
+        meanwhile (this pipeline's pop is the one Redis serves first); if the request is still
+        waiting when the pop returns, the listener takes over."""
         self.whole = p
         force, p.force = p.force, False
-        pipe = self.listen_redis.pipeline(transaction=False)
-        self.submitter.queue_whole(pipe, p.prepared, self._deadline_ms(p), force, LISTEN_BLOCK_S)
+        commands = self.submitter.whole_commands(
+            p.prepared, self._deadline_ms(p), force, LISTEN_BLOCK_S
+        )
         try:
-            answers = await pipe.execute(raise_on_error=False)
+            if self.whole_conn is not None:
+                answers = await self.whole_conn.execute(commands, LISTEN_BLOCK_S + 10)
+            else:
+                pipe = self.listen_redis.pipeline(transaction=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                answers = await pipe.execute(raise_on_error=False)
         except TRANSIENT as e:
             self.whole = None
             await self._unreachable([p], e, force)
@@ -443,7 +458,7 @@ class LoopState:
 
     async def _release(self, pending: list[Pending]) -> None:
         """The last step of both endings: take this loop's reply list out of the waiter sets of
-        ``pending``, delete it, close both clients (best effort: Redis may be gone)."""
+        ``pending``, delete it, close its connections (best effort: Redis may be gone)."""
         c = self.client
         with contextlib.suppress(Exception):
             pipe = self.redis.pipeline(transaction=False)
@@ -455,6 +470,8 @@ class LoopState:
         for client in (self.redis, self.listen_redis):
             with contextlib.suppress(Exception):
                 await client.aclose()
+        if self.whole_conn is not None:
+            self.whole_conn.close()
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> bool:

@@ -51,7 +51,7 @@ class Submitter:
         self.client = client
         self.reply_key = reply_key
         self.whole_ok = not is_cluster(client.settings.redis_url)
-        """Whether :meth:`queue_whole` may be used: a cluster refuses SUBMIT's push to the
+        """Whether :meth:`whole_commands` may be used: a cluster refuses SUBMIT's push to the
         reply list (a key of another slot)."""
 
     def calls(
@@ -59,7 +59,7 @@ class Submitter:
     ) -> list[tuple[list[Prepared], list[str], list[Any]]]:
         """One SUBMIT call per shard for ``(prepared, deadline_ms, force)`` items:
         ``(requests, keys, args)``; ``marker`` goes onto the reply list when a request was
-        neither queued nor joined (see :meth:`queue_whole`)."""
+        neither queued nor joined (see :meth:`whole_commands`)."""
         c = self.client
         s = c.settings
         ttl_ms = int(s.timeout_s * 1000) + 5_000
@@ -76,11 +76,11 @@ class Submitter:
             out.append(([p for p, _, _ in group], keys, args))
         return out
 
-    def queue_whole(
-        self, pipe: Any, prepared: Prepared, deadline_ms: int, force: bool, block_s: float
-    ) -> None:
-        """A lone request in one round trip, queued on ``pipe`` (a single Redis only): SUBMIT,
-        then a blocking pop of this reply list, then a GET of the result.
+    def whole_commands(
+        self, prepared: Prepared, deadline_ms: int, force: bool, block_s: float
+    ) -> list[list[Any]]:
+        """A lone request in one round trip (a single Redis only), as one pipeline's commands:
+        SUBMIT, then a blocking pop of this reply list, then a GET of the result.
 
         Redis runs a client's commands in order and holds the GET until the pop returns: when
         the worker's FINISH pushes the reply, the result is already SET, and the GET sends it
@@ -92,19 +92,21 @@ class Submitter:
         c = self.client
         marker = protocol.encode_reply(prepared.digest)
         ((_, keys, args),) = self.calls([(prepared, deadline_ms, force)], marker)
-        SUBMIT_SCRIPT.queue_source(pipe, keys, args)
-        pipe.blmpop(block_s, 1, self.reply_key, direction="LEFT", count=REPLIES_PER_POP)
-        pipe.get(c.keys.result(c.model, prepared.shard, prepared.digest))
+        return [
+            SUBMIT_SCRIPT.eval_command(keys, args),
+            ["BLMPOP", block_s, 1, self.reply_key, "LEFT", "COUNT", REPLIES_PER_POP],
+            ["GET", c.keys.result(c.model, prepared.shard, prepared.digest)],
+        ]
 
     @staticmethod
-    def whole_outcome(answers: list[Any]) -> tuple[Any, list[bytes], bytes | None]:
-        """``(outcome, replies, value)`` of :meth:`queue_whole`'s answers: the SUBMIT outcome
+    def whole_outcome(answers: list[Any]) -> tuple[Any, list[bytes], bytes | bytearray | None]:
+        """``(outcome, replies, value)`` of :meth:`whole_commands`' answers: the SUBMIT outcome
         as :meth:`outcomes` gives it, the replies popped (for any request of this list), and
         the result's value if it existed once the pop returned."""
         codes, popped, value = answers
         outcome = codes if isinstance(codes, Exception) else OUTCOMES[codes[0]]
         replies = [] if popped is None or isinstance(popped, Exception) else popped[1]
-        return outcome, replies, value if isinstance(value, bytes) else None
+        return outcome, replies, value if isinstance(value, (bytes, bytearray)) else None
 
     @staticmethod
     def outcomes(
@@ -182,16 +184,18 @@ class SyncState:
     def _submit_whole(
         self, p: Prepared, timeout_s: float, results: dict[str, bytes]
     ) -> list[Prepared]:
-        """One request in one round trip (``Submitter.queue_whole``): into ``results`` when
+        """One request in one round trip (``Submitter.whole_commands``): into ``results`` when
         answered within the pop's block; returns it when it is to be submitted again."""
         c = self.client
         deadline_ms = int(c.redis_now_ms() + 1000 * timeout_s)
         pipe = self.redis.pipeline(transaction=False)
-        self.submitter.queue_whole(pipe, p, deadline_ms, False, min(timeout_s, LISTEN_BLOCK_S))
+        block_s = min(timeout_s, LISTEN_BLOCK_S)
+        for command in self.submitter.whole_commands(p, deadline_ms, False, block_s):
+            pipe.execute_command(*command)
         outcome, replies, value = Submitter.whole_outcome(pipe.execute(raise_on_error=False))
         self._raise_refused(outcome)
         if value is not None:
-            results[p.digest] = value
+            results[p.digest] = bytes(value)  # redis-py's: bytes already, not copied
             return []
         return self._take(replies, {p.digest: p}, results)
 

@@ -93,6 +93,9 @@ def encode_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> byt
 def decode_tensor(data: bytes | bytearray | memoryview, widen: bool = True) -> torch.Tensor:
     """Tensor from its wire form; float16 and bfloat16 become float32 when ``widen``.
 
+    From read-only data (``bytes``) the tensor gets a copy; from a writable buffer (the
+    ``bytearray`` that ``shared.resp`` receives a result into) it uses that memory itself.
+
     Every inconsistency (short data, unknown dtype, sizes that do not add up) raises
     ``ProtocolError``; nothing is allocated beyond the tensor the data describes.
     """
@@ -118,8 +121,9 @@ def decode_tensor(data: bytes | bytearray | memoryview, widen: bool = True) -> t
             f"got {len(view) - offset}"
         )
     array = np.frombuffer(view, dtype=np_dtype, offset=offset).reshape(shape)
+    if view.readonly:  # bytes: torch needs memory it may write to, so a copy
+        array = array.copy()
     if dtype in (torch.float16, torch.bfloat16):
-        # read-only source, so torch.frombuffer is avoided: copy into the widened result
-        source = torch.from_numpy(array.view(np.int16).copy()).view(dtype)
+        source = torch.from_numpy(array.view(np.int16)).view(dtype)
         return cast(source, torch.float32) if widen else source
-    return torch.from_numpy(array.copy())
+    return torch.from_numpy(array)

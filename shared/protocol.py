@@ -142,7 +142,7 @@ def encode_result(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> byt
     return encode_tensor(tensor, dtype)
 
 
-def decode_result(data: bytes) -> torch.Tensor:
+def decode_result(data: bytes | bytearray) -> torch.Tensor:
     """The result tensor: float16 / bfloat16 rows come back as float32."""
     return decode_tensor(data)
 

@@ -74,6 +74,7 @@ class RedisServer:
         maxmemory_mb: int = 0,
         maxmemory_policy: str = "noeviction",
         tls: bool = False,
+        unix_socket: bool = False,
         binary: str | None = None,
     ) -> None:
         self.binary = binary or find_server_binary()
@@ -84,6 +85,8 @@ class RedisServer:
         self.maxmemory_mb = maxmemory_mb
         self.maxmemory_policy = maxmemory_policy
         self.tls = tls
+        self.unix_socket = unix_socket
+        """Also listen on a unix socket (``unix_url``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="lmpool-redis-"))
         if tls:
             self._make_certificate()
@@ -92,6 +95,11 @@ class RedisServer:
     @property
     def url(self) -> str:
         return self._url(f":{self.password}@" if self.password else "")
+
+    @property
+    def unix_url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"unix://{auth}{self.dir / 'redis.sock'}?db=0"
 
     def url_for(self, user: str, password: str) -> str:
         return self._url(f"{user}:{password}@")
@@ -134,6 +142,8 @@ class RedisServer:
                 "--tls-ca-cert-file", str(self.dir / "cert.pem"),
                 "--tls-auth-clients", "no",
             ]  # fmt: skip
+        if self.unix_socket:
+            args += ["--unixsocket", str(self.dir / "redis.sock"), "--unixsocketperm", "700"]
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb"]
             args += ["--maxmemory-policy", self.maxmemory_policy]

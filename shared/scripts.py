@@ -116,10 +116,10 @@ class Script:
         # EVALSHA by its first key all the same)
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
-    def queue_source(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
-        """Queue an EVAL with the source: never NOSCRIPT, for a pipeline whose later commands
-        must not run after a failed call (Redis hashes the 2 KB source each time: microseconds)."""
-        pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
+    def eval_command(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        """An EVAL with the source: never NOSCRIPT, for a pipeline whose later commands must
+        not run after a failed call (Redis hashes the 2 KB source each time: microseconds)."""
+        return ["EVAL", self.source, len(keys), *keys, *args]
 
     async def load(self, redis: Any) -> None:
         await redis.script_load(self.source)
