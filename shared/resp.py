@@ -203,15 +203,46 @@ class _Protocol(asyncio.BufferedProtocol):
             done.set_result(outcome)
 
 
+class Commands:
+    """The redis-py pipeline methods lmpool's writers call, collected as commands for
+    :meth:`RespConnection.execute` (same arguments, same Redis commands)."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[Any]] = []
+
+    def execute_command(self, *args: Any) -> None:
+        self.commands.append(list(args))
+
+    def set(self, name: str, value: Any, px: int | None = None) -> None:
+        self.commands.append(["SET", name, value, *(["PX", px] if px is not None else [])])
+
+    def xadd(
+        self,
+        name: str,
+        fields: dict[str, Any],
+        maxlen: int | None = None,
+        approximate: bool = True,
+    ) -> None:
+        trim = ["MAXLEN", "~" if approximate else "=", maxlen] if maxlen is not None else []
+        self.commands.append(["XADD", name, *trim, "*", *(x for kv in fields.items() for x in kv)])
+
+    def xack(self, name: str, group: str, *ids: str) -> None:
+        self.commands.append(["XACK", name, group, *ids])
+
+    def xdel(self, name: str, *ids: str) -> None:
+        self.commands.append(["XDEL", name, *ids])
+
+
 class RespConnection:
-    """One connection to the Redis of ``url``, for one pipeline at a time (connected lazily,
-    again after a failure)."""
+    """One connection to the Redis of ``url``, connected lazily (again after a failure);
+    pipelines sent on it from several tasks of its event loop take turns."""
 
     def __init__(self, url: str) -> None:
         if not supported(url):
             raise ValueError(f"not a redis:// or unix:// URL: {url!r}")
         self.url = url
         self._protocol: _Protocol | None = None
+        self._turn: asyncio.Lock | None = None
 
     async def _connect(self) -> _Protocol:
         parts = urlparse(self.url)
@@ -244,14 +275,17 @@ class RespConnection:
 
     async def execute(self, commands: Sequence[Sequence[Any]], timeout_s: float) -> list[Any]:
         """Send ``commands`` at once; their replies, in order (errors in place, not raised)."""
-        proto = self._protocol
-        if proto is None or proto.lost is not None:
-            try:
-                proto = await self._connect()
-            except (OSError, TimeoutError) as e:
-                self.close()
-                raise RedisConnectionError(f"cannot connect to Redis: {e!r}") from e
-        return await self._run(proto, commands, timeout_s)
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        async with self._turn:
+            proto = self._protocol
+            if proto is None or proto.lost is not None:
+                try:
+                    proto = await self._connect()
+                except (OSError, TimeoutError) as e:
+                    self.close()
+                    raise RedisConnectionError(f"cannot connect to Redis: {e!r}") from e
+            return await self._run(proto, commands, timeout_s)
 
     async def _run(
         self, proto: _Protocol, commands: Sequence[Sequence[Any]], timeout_s: float

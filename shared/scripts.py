@@ -18,7 +18,9 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
+
+from shared.resp import Commands, RespConnection
 
 SUBMIT = """
 -- One call per shard for every request a producer sends on one event-loop tick.
@@ -147,6 +149,27 @@ async def execute(
             for script in scripts:
                 await script.load(redis)
             continue
+        return results
+    raise AssertionError("unreachable")
+
+
+async def execute_resp(
+    conn: RespConnection, build: Callable[[Any], None], scripts: Sequence[Script], timeout_s: float
+) -> list[Any]:
+    """:func:`execute` on a :class:`shared.resp.RespConnection` (``build`` gets the pipeline
+    methods of ``shared.resp.Commands``); the first error reply is raised."""
+    for attempt in (1, 2):
+        commands = Commands()
+        build(commands)
+        results = await conn.execute(commands.commands, timeout_s)
+        errors = [r for r in results if isinstance(r, ResponseError)]
+        if attempt == 1 and any(str(e).startswith("NOSCRIPT") for e in errors):
+            loaded = await conn.execute([["SCRIPT", "LOAD", s.source] for s in scripts], timeout_s)
+            errors = [r for r in loaded if isinstance(r, ResponseError)]
+            if not errors:
+                continue
+        if errors:
+            raise errors[0]
         return results
     raise AssertionError("unreachable")
 

@@ -233,3 +233,45 @@ async def test_no_reply_in_time_times_out_and_a_cancelled_call_leaves_no_stray_r
     assert await conn.execute([["GET", "resp:nothing"]], 5) == [None]
     assert await conn.execute([["LPOP", "resp:late"]], 5) == [b"x"]
     conn.close()
+
+
+@pytest.mark.asyncio
+async def test_a_write_pipeline_loads_its_script_once_and_raises_an_error_reply(
+    redis_url: str,
+) -> None:
+    """``shared.scripts.execute_resp`` with the writer's commands: a flushed script cache costs
+    one SCRIPT LOAD and a second run; an error reply is raised, as redis-py's pipeline does."""
+    from shared.scripts import Script, execute_resp
+
+    script = Script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    r = redis.Redis.from_url(redis_url)
+    r.delete("resp:n", "resp:s", "resp:dead")
+    r.script_flush()
+    r.xgroup_create("resp:s", "g", id="0", mkstream=True)
+    entry = r.xadd("resp:s", {"m": b"x"})
+    r.xreadgroup("g", "c", {"resp:s": ">"})
+
+    def build(pipe: Any) -> None:
+        pipe.set("resp:v", b"\x00\xff" * 40_000, px=60_000)
+        script.queue(pipe, ["resp:n"], [5])
+        pipe.xadd("resp:dead", {"why": "test", "size": 3}, maxlen=10, approximate=True)
+        pipe.xack("resp:s", "g", entry)
+        pipe.xdel("resp:s", entry)
+
+    conn = RespConnection(redis_url)
+    r.config_resetstat()
+    try:
+        assert (await execute_resp(conn, build, [script], 5))[1:2] == [5]
+        assert (await execute_resp(conn, build, [script], 5))[1:2] == [10]
+        stats: Any = r.info("commandstats")
+        assert stats["cmdstat_script|load"]["calls"] == 1
+        assert stats["cmdstat_evalsha"]["calls"] == 3  # NOSCRIPT, again, the second pipeline
+        assert r.get("resp:v") == b"\x00\xff" * 40_000 and 0 < r.pttl("resp:v") <= 60_000
+        # the first pipeline ran twice (its other commands are repeated with it)
+        assert r.xlen("resp:dead") == 3 and r.xlen("resp:s") == 0
+        assert r.xpending("resp:s", "g")["pending"] == 0
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await execute_resp(conn, lambda pipe: pipe.xack("resp:v", "g", entry), [], 5)
+    finally:
+        conn.close()
+        r.close()

@@ -99,6 +99,7 @@ class Reader:
         self._last_interactive = -1e9
         self._offline_after = 0.0
         self._held_back = 0
+        self._named: dict[tuple[str, frozenset[int]], tuple[list[str], list[str]]] = {}
         self._drained = False
         """A read of the own streams came back short and no step has ended since: reading them
         again before the next step ends would find only what arrived in between."""
@@ -144,14 +145,20 @@ class Reader:
 
     # -- reading --------------------------------------------------------------------------
     def _shard_streams(self, priority: str) -> tuple[list[str], list[str]]:
-        """Streams of ``priority`` of the shards this worker owns, and of the others."""
+        """Streams of ``priority`` of the shards this worker owns, and of the others (named
+        once per set of owned shards: this runs several times per request)."""
         shards = self.settings.shards
-        owned = set(range(shards)) if self.leases is None else self.leases.owned
-        mine = [self.keys.stream(self.model, priority, s) for s in sorted(owned)]
-        others = [
-            self.keys.stream(self.model, priority, s) for s in range(shards) if s not in owned
-        ]
-        return mine, others
+        owned = frozenset(range(shards) if self.leases is None else self.leases.owned)
+        known = self._named.get((priority, owned))
+        if known is None:
+            mine = [self.keys.stream(self.model, priority, s) for s in sorted(owned)]
+            others = [
+                self.keys.stream(self.model, priority, s) for s in range(shards) if s not in owned
+            ]
+            if len(self._named) > 64:  # leases change rarely; never let it grow unbounded
+                self._named.clear()
+            known = self._named[(priority, owned)] = (mine, others)
+        return known
 
     async def read(self, count: int, model: ModelState) -> list[Entry]:
         """Up to ``count`` new entries in this order: own shards, other shards whose owner is

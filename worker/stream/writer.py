@@ -1,6 +1,7 @@
 """Writing answers: results into the shared cache, replies to the waiting producers, acks.
 
-One pipeline per flush: ``SET`` each new result (with its TTL), one FINISH call per shard
+One pipeline per flush (on a ``shared.resp`` connection of its own, on a single Redis without
+TLS): ``SET`` each new result (with its TTL), one FINISH call per shard
 (which takes each digest's waiter set and, on a single Redis, pushes the replies), the
 dead letters, then ``XACK`` + ``XDEL`` of every entry answered. Entries are acknowledged only in
 the pipeline that wrote their answers, so a crash before it leaves them pending for another
@@ -22,13 +23,18 @@ from typing import Any
 from shared import protocol
 from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
-from shared.scripts import FINISH_SCRIPT, execute
+from shared.resp import RespConnection
+from shared.resp import supported as resp_supported
+from shared.scripts import FINISH_SCRIPT, execute, execute_resp
 from shared.settings import Settings
 from worker.stream.batcher import Job
 
 log = logging.getLogger("lmpool.worker")
 DEAD_LETTER_KEEP_BYTES = 4096
 """A dead letter keeps at most this much of its message (plus the message's full size)."""
+WRITE_TIMEOUT_S = 15.0
+"""A write pipeline unanswered this long is on a dead connection (as ``connect_redis``'s
+socket timeout): dropped, and the write retried on a new one."""
 DEAD_LETTERS_KEPT = 10_000
 """Entries the dead-letter stream keeps (approximately), so its memory stays bounded."""
 
@@ -50,6 +56,13 @@ class Writer:
         self.cluster = cluster
         """Replies go in a second pipeline (their lists live in other slots)."""
         self.on_written = on_written
+        self.conn = (
+            RespConnection(settings.redis_url)
+            if not cluster and resp_supported(settings.redis_url)
+            else None
+        )
+        """Where writes go on a single Redis (``shared.resp``: no per-command parsing, timers
+        or copies of redis-py's pipeline); TLS and clusters keep redis-py."""
         self._queue: list[Job] = []
         self._writing: list[Job] = []
         self._task: asyncio.Task[None] | None = None
@@ -70,6 +83,10 @@ class Writer:
         self._stopping = self._stopping or stopping
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
     def _is_stopping(self) -> bool:
         return self._stopping
@@ -113,6 +130,9 @@ class Writer:
                         self._dead_letter(pipe, entry.stream, entry.entry_id, entry.raw, job.dead)
             self._ack(pipe, jobs)
 
+        if self.conn is not None:
+            await execute_resp(self.conn, build, [FINISH_SCRIPT], WRITE_TIMEOUT_S)
+            return
         outcome = await execute(self.redis, build, [FINISH_SCRIPT])
         if self.cluster:
             finished = [r for r in outcome if isinstance(r, list)]
