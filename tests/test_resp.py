@@ -244,7 +244,7 @@ async def test_a_write_pipeline_loads_its_script_once_and_raises_an_error_reply(
     from shared.scripts import Script, execute_resp
 
     script = Script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
-    r = redis.Redis.from_url(redis_url)
+    r: Any = redis.Redis.from_url(redis_url)
     r.delete("resp:n", "resp:s", "resp:dead")
     r.script_flush()
     r.xgroup_create("resp:s", "g", id="0", mkstream=True)
