@@ -471,7 +471,8 @@ class LoopState:
             with contextlib.suppress(Exception):
                 await client.aclose()
         if self.whole_conn is not None:
-            self.whole_conn.close()
+            with contextlib.suppress(Exception):
+                await self.whole_conn.aclose()
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> bool:

@@ -28,6 +28,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.aio import wait_event
+
 BIG_BULK = 1 << 16
 """Bulk strings at least this long are received into a buffer of their own."""
 READ_ROOM = 1 << 16
@@ -81,6 +83,8 @@ class _Protocol(asyncio.BufferedProtocol):
         self.expected = 0
         self.done: asyncio.Future[list[Any]] | None = None
         self.lost: BaseException | None = None
+        self.closed = asyncio.Event()
+        """Set once the socket is closed."""
 
     # -- asyncio's side ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -89,6 +93,7 @@ class _Protocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = RedisConnectionError(f"connection to Redis lost: {exc!r}")
+        self.closed.set()
         self._finish(self.lost)
 
     def eof_received(self) -> bool:
@@ -306,9 +311,17 @@ class RespConnection:
             raise
 
     def close(self) -> None:
+        """Drop the connection (its socket closes on the event loop's next iteration)."""
         proto, self._protocol = self._protocol, None
         if proto is not None and proto.transport is not None:
             proto.transport.abort()
+
+    async def aclose(self) -> None:
+        """Drop the connection and wait until its socket is closed."""
+        proto = self._protocol
+        self.close()
+        if proto is not None:
+            await wait_event(proto.closed, CONNECT_TIMEOUT_S)
 
 
 def _database(path: str, query: str) -> int:

@@ -135,7 +135,7 @@ class Consumer:
             raise
         await reader
         await self.writer.drain(stopping=True)
-        self.writer.close()
+        await self.writer.aclose()
 
     def stop(self) -> None:
         self._stopping.set()

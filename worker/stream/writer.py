@@ -84,9 +84,9 @@ class Writer:
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         if self.conn is not None:
-            self.conn.close()
+            await self.conn.aclose()
 
     def _is_stopping(self) -> bool:
         return self._stopping
