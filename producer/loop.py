@@ -73,7 +73,8 @@ class LoopState:
         """The listener is popping replies (or about to): a lone request goes the usual way."""
         self.whole: Pending | None = None
         """The request now sent whole (SUBMIT, pop and GET in one round trip), if any."""
-        self.whole_conn = RespConnection(s.redis_url) if resp_supported(s.redis_url) else None
+        whole_here = self.submitter.whole_ok and resp_supported(s.redis_url)
+        self.whole_conn = RespConnection(s.redis_url) if whole_here else None
         """The connection whole requests go by (TLS: ``listen_redis``'s, redis-py's)."""
         self.listener = loop.create_task(self._listen(), name="lmpool-listener")
         self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
