@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from producer.submit import LISTEN_BLOCK_S, REPLIES_PER_POP, Prepared, Submitter
 from shared import protocol
 from shared.aio import wait_event
-from shared.errors import Expired, LMPoolError, ProtocolError, QueueFull, RequestTimeout
+from shared.errors import Expired, LMPoolError, ProtocolError, RequestTimeout
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis
 from shared.resp import RespConnection
 from shared.resp import supported as resp_supported
@@ -248,11 +248,7 @@ class LoopState:
         """Act on a SUBMIT outcome other than queued, joined or cached: a full queue, a call
         that failed (again later if Redis was unreachable)."""
         if outcome == "full":
-            s = self.client.settings
-            self._settle(p, error=QueueFull(
-                f"queue of model {self.client.model!r} holds LMPOOL_MAX_QUEUE="
-                f"{s.max_queue} requests; retry later"
-            ))  # fmt: skip
+            self._settle(p, error=self.submitter.queue_full())
         elif isinstance(outcome, TRANSIENT):
             self._enqueue(p, force)
         elif isinstance(outcome, Exception):

@@ -76,6 +76,14 @@ class Submitter:
             out.append(([p for p, _, _ in group], keys, args))
         return out
 
+    def queue_full(self) -> QueueFull:
+        """The error of a request SUBMIT refused: the model's queue is at its limit."""
+        c = self.client
+        return QueueFull(
+            f"queue of model {c.model!r} holds LMPOOL_MAX_QUEUE={c.settings.max_queue} "
+            "requests; retry later"
+        )
+
     def whole_commands(
         self, prepared: Prepared, deadline_ms: int, force: bool, block_s: float
     ) -> list[list[Any]]:
@@ -232,7 +240,7 @@ class SyncState:
         """Raise what a SUBMIT outcome other than queued, joined or cached means: a full queue,
         a call that failed."""
         if outcome == "full":
-            raise QueueFull(f"queue of model {self.client.model!r} is full; retry later")
+            raise self.submitter.queue_full()
         if isinstance(outcome, Exception):
             raise LMPoolError(f"submit failed: {outcome!r}")
 

@@ -54,10 +54,12 @@ def pack(commands: Sequence[Sequence[Any]]) -> bytes:
                 raise TypeError("cannot send a bool to Redis: send an int or a string")
             elif isinstance(arg, (int, float)):
                 arg = repr(arg).encode()
-            elif not isinstance(arg, (bytes, bytearray, memoryview)):
+            elif isinstance(arg, memoryview):
+                arg = arg.tobytes()  # its length in bytes, whatever its format
+            elif not isinstance(arg, (bytes, bytearray)):
                 raise TypeError(f"cannot send {type(arg).__name__} to Redis")
             out.append(b"$%d\r\n" % len(arg))
-            out.append(bytes(arg))
+            out.append(arg)  # the join below is its only copy
             out.append(b"\r\n")
     return b"".join(out)
 

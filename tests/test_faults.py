@@ -259,7 +259,7 @@ async def test_a_lone_request_to_a_full_queue_fails_at_once(
         started = time.monotonic()
         with pytest.raises(QueueFull, match="LMPOOL_MAX_QUEUE=2"):
             await lone.next_token_logprobs([99, 3])
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueFull, match="LMPOOL_MAX_QUEUE=2"):
             lone.next_token_logprobs_sync([98, 3])
         assert time.monotonic() - started < LISTEN_BLOCK_S / 2, "a refusal waited for a reply"
         outcomes = await filling

@@ -131,6 +131,10 @@ def test_pack_writes_resp_and_refuses_what_redis_cannot_take() -> None:
         b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
         b"*5\r\n$6\r\nBLMPOP\r\n$3\r\n1.5\r\n$1\r\n1\r\n$1\r\nl\r\n$4\r\nLEFT\r\n"
     )
+    words = memoryview(b"\x01\x00\x00\x00\x02\x00\x00\x00").cast("i")  # 2 items, 8 bytes
+    assert pack([["SET", bytearray(b"ab"), words]]) == (
+        b"*3\r\n$3\r\nSET\r\n$2\r\nab\r\n$8\r\n\x01\x00\x00\x00\x02\x00\x00\x00\r\n"
+    )
     with pytest.raises(TypeError, match="bool"):
         pack([["SET", "k", True]])
     with pytest.raises(TypeError, match="NoneType"):
