@@ -18,6 +18,7 @@ from transformers import LlamaForCausalLM
 from shared.settings import Settings
 from worker.backends.hf import HFBackend
 from worker.backends.hf.kv_cache import SHARE_MIN_TOKENS, KVCache
+from worker.backends.hf.kv_trie import GROW_MAX_TOKENS
 
 VOCAB = 1000
 ATOL = 1e-4
@@ -236,3 +237,32 @@ def test_namespaces_and_off_switch(model_dir: Path, reference: HFBackend) -> Non
     assert cache.cached_length(prompt) == 0
     assert reference.kv_stats()["bytes_used"] == 0
     assert not reference.pin_prefix(prompt)
+
+
+def test_a_sequence_decoded_token_by_token_keeps_a_short_path(
+    model_dir: Path, reference: HFBackend
+) -> None:
+    """Each step's new position grows the sequence's leaf segment in place (up to
+    GROW_MAX_TOKENS tokens) instead of hanging a one-token node under it: the path a request
+    walks, and the pieces its past is gathered from, stay few however long the decoding runs.
+    Two sequences that branch from one leaf split it, as before."""
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    rng = random.Random(11)
+    prompt = tokens(rng, 40)
+    check(backend, reference, [prompt])
+    seq = list(prompt)
+    for _ in range(GROW_MAX_TOKENS + 10):
+        seq.append(rng.randrange(VOCAB))
+        check(backend, reference, [seq])
+    # the prompt's leaf grew to the cap, then a new segment started and grew: two nodes for
+    # the 114 positions, where one node per step would have made 75
+    lengths = sorted(len(node.tokens) for node in cache._lru)
+    assert lengths == sorted([GROW_MAX_TOKENS, len(seq) - GROW_MAX_TOKENS])
+    per_token = cache.layout.token_bytes()
+    assert cache.measured_bytes() == cache.bytes_used == stored_tokens(cache) * per_token
+    # two particles continuing one sequence: the grown leaf is split where they branch
+    a, b = [*seq, 1], [*seq, 2]
+    check(backend, reference, [a, b])
+    assert cache.cached_length(a) == len(a) and cache.cached_length(b) == len(b)
+    assert cache.measured_bytes() == cache.bytes_used == stored_tokens(cache) * per_token

@@ -189,6 +189,27 @@ async def test_a_partly_filled_batch_waits_max_wait_ms_for_company(
 
 
 @pytest.mark.asyncio
+async def test_requests_submitted_together_run_as_one_batch(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """An SMC step's 64 particles, submitted together, run in one forward pass every step: the
+    worker's blocking read, which also covers the offline streams and so takes the offline
+    cap (LMPOOL_OFFLINE_BATCH) as its count, reads the rest of them at once."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, max_batch=64)
+    rounds, shared = 3, list(range(1, 33))  # one shard: the first 32 tokens are shared
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        for r in range(rounds):
+            # the client's own work between steps (drawing tokens), longer than the worker's
+            # grace for offline work after an interactive step (5 ms)
+            await asyncio.sleep(0.05)
+            prompts = [[*shared, r, i] for i in range(64)]
+            rows = await lm.batch_next_token_logprobs(prompts)
+            assert torch.equal(rows[5], reference(prompts[5]))
+    assert await w.wait_counter("requests", 64 * rounds) == 64 * rounds
+    assert await w.wait_counter("batches", rounds) == rounds
+
+
+@pytest.mark.asyncio
 async def test_a_stop_ends_the_wait_for_company(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

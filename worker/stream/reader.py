@@ -214,8 +214,13 @@ class Reader:
                 return []
             n = min(count, offline) if offline else count
             reply = await self._xreadgroup(streams, n, block_ms)
+            got = sum(len(items) for _, items in reply or [])
+            if self._mark(reply) and got == n < count:
+                # XREADGROUP has one COUNT for every stream it reads: the offline cap may have
+                # held back interactive entries that came together (an SMC step's particles)
+                reply = [*reply, *(await self._xreadgroup(mine, count - got) or [])]
+                n = count
             self._note_read(reply, n)
-            self._mark(reply)
             return self.parse(reply)
         except ResponseError as e:
             if not stream_gone(e):
@@ -254,11 +259,13 @@ class Reader:
         """After a read of the own streams: short, they are drained for now."""
         self._drained = sum(len(items) for _, items in reply or []) < asked
 
-    def _mark(self, reply: Any) -> None:
+    def _mark(self, reply: Any) -> bool:
+        """Note when interactive entries were last read; True if ``reply`` holds some."""
         for stream, _ in reply or []:
             if not self.keys.parse_stream(stream).offline:
                 self._last_interactive = time.monotonic()
-                return
+                return True
+        return False
 
     async def _stealable(self, streams: list[str]) -> list[str]:
         """Those of ``streams`` with undelivered entries that nobody owns, or whose oldest

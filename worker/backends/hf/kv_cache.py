@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -58,6 +58,8 @@ class _Plan:
     row: Row
     cached: int
     pieces: list[tuple[torch.Tensor, torch.Tensor, int]]
+    path: list[Node]
+    """The trie nodes its match went through (touched as used)."""
 
     @property
     def new(self) -> int:
@@ -150,11 +152,10 @@ class KVCache(KVTrie):
             self.tokens_requested += sum(map(len, rows))
             self.tokens_reused += sum(map(len, rows)) - sum(map(len, unique))
             logits = self._compute(self._root(namespace), unique, count=True)
-        index = {row: i for i, row in enumerate(unique)}
-        stacked = torch.stack(logits)
         if len(unique) == len(rows):
-            return stacked
-        return stacked[torch.tensor([index[r] for r in rows], device=stacked.device)]
+            return logits
+        index = {row: i for i, row in enumerate(unique)}
+        return logits[torch.tensor([index[r] for r in rows], device=logits.device)]
 
     def pin(self, prefix_ids: Sequence[int], namespace: Hashable = None) -> int:
         """Compute ``prefix_ids`` if needed and keep it from eviction; returns its bytes.
@@ -185,38 +186,57 @@ class KVCache(KVTrie):
             return {name: int(getattr(self, name)) for name in self.STAT_NAMES}
 
     # -- compute ------------------------------------------------------------------------
-    def _compute(self, root: Node, rows: list[Row], count: bool = False) -> list[torch.Tensor]:
-        """Last-position logits of unique ``rows``; stores their key/values on the way.
+    def _compute(self, root: Node, rows: list[Row], count: bool = False) -> torch.Tensor:
+        """Last-position logits of unique ``rows``, ``[len(rows), vocab]``; stores their
+        key/values on the way.
 
         ``count``: add the reused tokens to ``tokens_reused`` (requests, not internal passes).
         """
-        self._prefill_shared(root, rows)
-        plans = []
-        for row in rows:
-            depth, path = self._match(root, row)
-            cached = min(depth, len(row) - 1)  # the last token runs anyway: its logits are needed
-            pieces, left = [], cached
-            for node, k in path:
-                if left <= 0:
-                    break
-                assert node.keys is not None and node.values is not None
-                take = min(k, left)
-                pieces.append((node.keys, node.values, take))
-                left -= take
-            self._touch([n for n, _ in path])
-            plans.append(_Plan(row, cached, pieces))
-            if count:
-                self.tokens_reused += cached
-        out: dict[Row, torch.Tensor] = {}
-        for group in _groups(plans):
-            out.update(zip([p.row for p in group], self._forward(root, group), strict=True))
+        plans = [self._plan(root, row) for row in rows]
+        # A row with this much to run may share an uncached prefix with another: such prefixes
+        # are computed once first, then the rows are planned again.
+        long = len(rows) > 1 and any(p.new >= SHARE_MIN_TOKENS for p in plans)
+        if long and self._prefill_shared(root, rows):
+            plans = [self._plan(root, row) for row in rows]
+        for p in plans:
+            self._touch(p.path)
+        if count:
+            self.tokens_reused += sum(p.cached for p in plans)
+        groups = _groups(plans)
+        if len(groups) == 1 and groups[0] == plans:  # the usual case: one pass, rows in order
+            logits = self._forward(root, plans)
             self._evict()
-        return [out[row] for row in rows]
+            return logits
+        position = {id(p): i for i, p in enumerate(plans)}
+        out: torch.Tensor | None = None
+        for group in groups:
+            logits = self._forward(root, group)
+            self._evict()
+            if out is None:
+                out = logits.new_empty((len(plans), logits.shape[-1]))
+            index = torch.tensor([position[id(p)] for p in group], device=logits.device)
+            out[index] = logits
+        assert out is not None
+        return out
 
-    def _prefill_shared(self, root: Node, rows: list[Row]) -> None:
-        """Run once the uncached prefixes that several rows share, before the rows themselves."""
+    def _plan(self, root: Node, row: Row) -> _Plan:
+        depth, path = self._match(root, row)
+        cached = min(depth, len(row) - 1)  # the last token runs anyway: its logits are needed
+        pieces, left = [], cached
+        for node, k in path:
+            if left <= 0:
+                break
+            assert node.keys is not None and node.values is not None
+            take = min(k, left)
+            pieces.append((node.keys, node.values, take))
+            left -= take
+        return _Plan(row, cached, pieces, [n for n, _ in path])
+
+    def _prefill_shared(self, root: Node, rows: list[Row]) -> bool:
+        """Run once the uncached prefixes that several rows share, before the rows themselves;
+        True if there were any."""
         if len(rows) < 2:
-            return
+            return False
         shared: set[Row] = set()
         ordered = sorted(rows)
         for a, b in itertools.pairwise(ordered):
@@ -226,9 +246,11 @@ class KVCache(KVTrie):
         if shared:
             # Their own shared prefixes are handled by the same rule, one level down.
             self._compute(root, sorted(shared))
+        return bool(shared)
 
-    def _forward(self, root: Node, plans: list[_Plan]) -> list[torch.Tensor]:
-        """One padded forward over ``plans``; stores the new key/values, returns last logits."""
+    def _forward(self, root: Node, plans: list[_Plan]) -> torch.Tensor:
+        """One padded forward over ``plans``; stores the new key/values, returns their last
+        logits, ``[len(plans), vocab]``."""
         lay = self.layout
         rows, past, width = len(plans), max(p.cached for p in plans), max(p.new for p in plans)
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
@@ -242,20 +264,12 @@ class KVCache(KVTrie):
             # Padding after a row's tokens repeats its last position (never attended to).
             positions[i] = (steps + p.cached).clamp(max=len(p.row) - 1)
         # One buffer per side holds the gathered pasts and receives the new positions in place
-        # (a plain DynamicLayer would concatenate, copying every past a second time). Padding
-        # in the past is zeroed: masked slots get weight 0, and 0 * NaN would poison the row;
-        # the new positions are all written by the forward pass.
+        # (a plain DynamicLayer would concatenate, copying every past a second time); the new
+        # positions are all written by the forward pass.
         shape = (lay.layers, rows, lay.kv_heads, past + width)
         buf_k = torch.empty((*shape, lay.key_dim), dtype=lay.dtype, device=lay.device)
         buf_v = torch.empty((*shape, lay.value_dim), dtype=lay.dtype, device=lay.device)
-        for i, p in enumerate(plans):
-            at = 0
-            for keys, values, take in p.pieces:
-                buf_k[:, i, :, at : at + take] = keys[:, :, :take]
-                buf_v[:, i, :, at : at + take] = values[:, :, :take]
-                at += take
-            buf_k[:, i, :, at:past] = 0
-            buf_v[:, i, :, at:past] = 0
+        self._gather(plans, past, buf_k, buf_v)
         cache = DynamicCache(config=self.config)
         cache.layers = [_FilledLayer(buf_k[n], buf_v[n], past) for n in range(lay.layers)]
         last = [p.new - 1 for p in plans]
@@ -282,8 +296,44 @@ class KVCache(KVTrie):
         self.tokens_computed += sum(p.new for p in plans)
         logits = out.logits
         if column is None:
-            return list(logits[:, -1])
-        return [logits[i, column[n]] for i, n in enumerate(last)]
+            return cast(torch.Tensor, logits[:, -1])
+        picked = torch.tensor([column[n] for n in last], device=logits.device)
+        return cast(torch.Tensor, logits[torch.arange(rows, device=logits.device), picked])
+
+    def _gather(
+        self, plans: list[_Plan], past: int, buf_k: torch.Tensor, buf_v: torch.Tensor
+    ) -> None:
+        """Copy each plan's cached pieces into row ``i`` of the buffers, positions
+        ``[0, cached)``, and zero ``[cached, past)``: one copy per distinct piece and offset,
+        for all the rows that use it (the shared prompt of N particles is one copy, not N)."""
+        uses: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+        short: dict[int, list[int]] = {}
+        for i, p in enumerate(plans):
+            at = 0
+            for keys, values, take in p.pieces:
+                use = uses.get((id(keys), at, take))
+                if use is None:
+                    uses[(id(keys), at, take)] = (keys, values, [i])
+                else:
+                    use[2].append(i)
+                at += take
+            if at < past:
+                short.setdefault(at, []).append(i)
+        device = buf_k.device
+        for (_, at, take), (keys, values, index) in uses.items():
+            if len(index) == 1:
+                buf_k[:, index[0], :, at : at + take] = keys[:, :, :take]
+                buf_v[:, index[0], :, at : at + take] = values[:, :, :take]
+            else:
+                rows = torch.tensor(index, device=device)
+                buf_k[:, rows, :, at : at + take] = keys[:, None, :, :take]
+                buf_v[:, rows, :, at : at + take] = values[:, None, :, :take]
+        # Padding in the past is zeroed: masked slots get weight 0, and 0 * NaN would poison
+        # the row.
+        for at, index in short.items():
+            rows = torch.tensor(index, device=device)
+            buf_k[:, rows, :, at:past] = 0
+            buf_v[:, rows, :, at:past] = 0
 
 
 class _FilledLayer(DynamicLayer):

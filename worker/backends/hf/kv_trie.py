@@ -6,6 +6,8 @@ a *segment* of tokens and, for those positions only, one key tensor and one valu
 ``[layers, kv_heads, len(segment), head_dim]`` in storage of its own. A prefix is the
 concatenation of the segments along its path, so a shared prefix is stored once however many
 prompts extend it (no per-prompt copies), and one node costs two tensors, not two per layer.
+A row that extends a leaf grows the leaf's segment (up to ``GROW_MAX_TOKENS``) instead of
+hanging a one-token node under it, so the path of a sequence decoded token by token stays short.
 A branch in the middle of a segment splits it into two nodes (copied so that neither keeps the
 other's storage alive, which keeps ``bytes_used`` equal to the real tensor bytes).
 
@@ -23,6 +25,9 @@ from collections.abc import Hashable, Sequence
 import torch
 
 Row = tuple[int, ...]
+GROW_MAX_TOKENS = 64
+"""A leaf grows in place (one copy of its segment) while it holds at most this many tokens;
+past that, new positions start a child segment: growing is never quadratic in a sequence."""
 
 
 class Node:
@@ -230,17 +235,36 @@ class KVTrie:
             self._touch(nodes)
             return
         parent = root
+        off = depth - start
         if path:
             parent, k = path[-1]
             if k < len(parent.tokens):
                 parent = self._split(parent, k)
                 nodes[-1] = parent
-        off = depth - start
+            elif (
+                not parent.children
+                and not parent.pins
+                and len(row) - depth + len(parent.tokens) <= GROW_MAX_TOKENS
+            ):
+                self._grow(parent, row[depth:], keys[:, :, off:], values[:, :, off:])
+                self._touch(nodes)
+                return
         child = Node(row[depth:], _own(keys[:, :, off:]), _own(values[:, :, off:]), parent)
         parent.children[child.tokens[0]] = child
         self.bytes_used += child.nbytes
         self._lru[child] = None
         self._touch([*nodes, child])
+
+    def _grow(self, node: Node, tokens: Row, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append positions to a leaf's segment (a row that extends it, as an SMC particle's
+        next step does), so that a particle's path stays a few segments long."""
+        assert node.keys is not None and node.values is not None
+        before = node.nbytes
+        node.tokens += tokens
+        node.keys = torch.cat((node.keys, keys), dim=2)
+        node.values = torch.cat((node.values, values), dim=2)
+        node.nbytes = _nbytes(node.keys) + _nbytes(node.values)
+        self.bytes_used += node.nbytes - before
 
     def _remove(self, node: Node) -> None:
         assert node.parent is not None and not node.children
