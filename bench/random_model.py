@@ -33,6 +33,16 @@ SMOLLM2: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 SHAPES: dict[str, dict[str, Any]] = {
+    # a forward pass as cheap next to the LM head and the rows as a GPU's: what the pool adds
+    # around the model shows (bench/efficiency.py)
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 100000.0,
+    },
     "135m": {
         "hidden_size": 576,
         "intermediate_size": 1536,

@@ -1,0 +1,315 @@
+"""The pool against the bare engine on the same model, in the same run: what the pool costs.
+
+The bare engine is the fastest loop that does the same work in one process, with no pool:
+transformers with a KV cache, every row's full ``log_softmax`` copied out to the CPU, the
+particles' tokens drawn in one batched ``multinomial``. Two workload shapes:
+
+- **SMC**: N particles share a prompt; each step every particle needs the next-token row of
+  its own prefix, one token longer than the last; every 4th step the particles are resampled
+  (some duplicated, some dropped). Bare: the prompt prefilled once, then one batched decode
+  step of all particles per step, the cache rows gathered on resampling (``index_select``).
+  Pool: the same loop through ``RemoteLM.next_token_logprobs``, one hf worker, KV cache on.
+- **genlm** (genlm-backend's favourite case): P prompts = a shared prefix + 8 distinct tokens,
+  a new prefix each set. Bare: the prefix prefilled once, its cache repeated over P rows, one
+  forward of the 8 new tokens. Pool: ``batch_next_token_logprobs`` with no ``cache_kv`` hint.
+
+Rows per second on each side and the ratio pool / bare, beside the targets of the issue.
+
+    python bench/efficiency.py                                # tiny model, both shapes
+    python bench/efficiency.py --model default --particles 16 --steps 8
+    LMPOOL_MODEL=DIR python bench/efficiency.py --model env --device cuda --dtype bfloat16
+    .venv-vllm/bin/python bench/efficiency.py --backend vllm  # the pool on vLLM
+
+``--model tiny`` writes a random Llama of ``bench/random_model.py``'s ``tiny`` shape (hidden
+64, 2 layers, SmolLM2's tokenizer: V = 49,152) to a temporary folder: its forward pass is cheap
+next to the LM head and the rows, as on a GPU, so the pool's own work shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import benchkit
+import random_model
+import redis
+import torch
+
+from shared.keys import Keys
+from shared.redis_server import RedisServer
+
+KEYS = Keys()
+RESAMPLE_EVERY = 4
+
+
+# -- the workload, shared by both sides --------------------------------------------------------
+def draw(rows: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """One token per row of log-probs ``[N, V]`` by inverse CDF, batched.
+
+    ``torch.multinomial`` over 64 rows of 49,152 took 63 ms on this machine's CPU, as long as
+    the whole bare step: with it, the sampler would set both sides' pace and flatter the pool.
+    """
+    cdf = rows.float().exp().cumsum(-1)
+    u = torch.rand((rows.shape[0], 1), generator=gen) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u)[:, 0].clamp(max=rows.shape[1] - 1).tolist()
+
+
+def resample(rng: random.Random, n: int) -> list[int]:
+    """Which particles survive a resampling step (with duplicates), in order."""
+    return sorted(rng.choices(range(n), k=n))
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    return random.Random(seed).choices(range(1000, 40000), k=n)
+
+
+# -- bare engine ---------------------------------------------------------------------------
+def load_model(path: Path, device: str, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bare_smc(model: Any, args: argparse.Namespace, seed: int) -> tuple[int, float]:
+    """(rows, seconds) of the SMC loop in one process with a KV cache."""
+    device = args.device
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    prompt = torch.tensor([prompt_ids(seed, args.prompt_tokens)], device=device)
+    n = args.particles
+    rows_out = 0
+    sync(device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        rows = torch.log_softmax(out.logits[:, -1].float(), -1).expand(n, -1).cpu()
+        rows_out += n
+        for step in range(args.steps - 1):
+            tokens = torch.tensor(draw(rows, gen), device=device)[:, None]
+            out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            rows = torch.log_softmax(out.logits[:, -1].float(), -1).cpu()
+            rows_out += n
+            if step % RESAMPLE_EVERY == RESAMPLE_EVERY - 2:
+                keep = torch.tensor(resample(rng, n), device=device)
+                cache.reorder_cache(keep)
+                rows = rows[keep.cpu()]
+    sync(device)
+    return rows_out, time.perf_counter() - started
+
+
+def genlm_sets(args: argparse.Namespace) -> list[tuple[list[int], list[list[int]]]]:
+    """One untimed set, then ``--sets`` timed ones: (prefix, prompts), a new prefix each."""
+    rng = random.Random(args.seed + 99)
+    out = []
+    for _ in range(args.sets + 1):
+        prefix = rng.choices(range(1000, 40000), k=args.prompt_tokens)
+        out.append((prefix, [prefix + rng.choices(range(1000, 40000), k=8) for _ in range(64)]))
+    return out
+
+
+def bare_genlm(model: Any, args: argparse.Namespace) -> tuple[int, float]:
+    """(rows, seconds) of the timed sets: prefix once, then its 64 suffixes in one forward."""
+    sets = genlm_sets(args)
+    rows_out, seconds = 0, 0.0
+    for i, (prefix, prompts) in enumerate(sets):
+        sync(args.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([prefix], device=args.device), use_cache=True)
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(len(prompts))
+            suffixes = torch.tensor([p[len(prefix) :] for p in prompts], device=args.device)
+            out = model(input_ids=suffixes, past_key_values=cache, logits_to_keep=1)
+            torch.log_softmax(out.logits[:, -1].float(), -1).cpu()
+        sync(args.device)
+        if i:
+            rows_out += len(prompts)
+            seconds += time.perf_counter() - started
+    return rows_out, seconds
+
+
+# -- pool ----------------------------------------------------------------------------------
+async def pool_smc(lm: Any, args: argparse.Namespace, seed: int) -> tuple[int, float]:
+    """(rows, seconds) of the same SMC loop through ``lm``."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n = args.particles
+    seqs = [prompt_ids(seed, args.prompt_tokens) for _ in range(n)]
+    rows_out = 0
+    started = time.perf_counter()
+    for step in range(args.steps):
+        rows = torch.stack(await asyncio.gather(*(lm.next_token_logprobs(s) for s in seqs)))
+        rows_out += n
+        if step == args.steps - 1:
+            break
+        seqs = [[*s, t] for s, t in zip(seqs, draw(rows, gen), strict=True)]
+        if step % RESAMPLE_EVERY == RESAMPLE_EVERY - 2:
+            seqs = [list(seqs[i]) for i in resample(rng, n)]
+    return rows_out, time.perf_counter() - started
+
+
+async def pool_genlm(lm: Any, args: argparse.Namespace) -> tuple[int, float]:
+    rows_out, seconds = 0, 0.0
+    for i, (_, prompts) in enumerate(genlm_sets(args)):
+        started = time.perf_counter()
+        await lm.batch_next_token_logprobs(prompts)
+        if i:
+            rows_out += len(prompts)
+            seconds += time.perf_counter() - started
+    return rows_out, seconds
+
+
+def kv_totals(url: str) -> dict[str, int]:
+    import json
+
+    r = redis.Redis.from_url(url)
+    totals: dict[str, int] = {}
+    for key in r.scan_iter(KEYS.worker_pattern()):
+        raw = cast("bytes | None", r.hget(key, "kv"))
+        for k, v in (json.loads(raw) if raw else {}).items():
+            totals[k] = totals.get(k, 0) + int(v)
+    r.close()
+    return totals
+
+
+async def pool_side(
+    url: str, path: Path, args: argparse.Namespace, kv_cache_mb: int | None
+) -> dict[str, Any]:
+    """One fresh worker (KV cache on unless ``kv_cache_mb == 0``) and the selected shapes."""
+    with redis.Redis.from_url(url) as r:
+        r.flushall()
+    settings: dict[str, Any] = {"kv_cache_mb": kv_cache_mb} if kv_cache_mb is not None else {}
+    worker = benchkit.Worker(
+        url,
+        extra_env={"OMP_NUM_THREADS": str(args.threads)},
+        backend=args.backend,
+        model=str(path),
+        model_name="efficiency",
+        device=args.device,
+        dtype=args.dtype,
+        torch_threads=args.threads,
+        max_batch=max(64, args.particles),
+        log_level="WARNING",
+        **settings,
+    ).start()
+    out: dict[str, Any] = {}
+    try:
+        lm = await benchkit.connect_remote_lm(worker, url, "efficiency", 600, 3600)
+        try:
+            await pool_smc(lm, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)
+            if "smc" in args.shapes:
+                out["smc"] = await pool_smc(lm, args, args.seed)
+            if "genlm" in args.shapes:
+                out["genlm"] = await pool_genlm(lm, args)
+        finally:
+            await lm.close()
+        await asyncio.sleep(1.0)  # two heartbeats: the KV counters are final
+        out["kv"] = kv_totals(url)
+    finally:
+        worker.stop()
+    return out
+
+
+def rate(rows_seconds: tuple[int, float]) -> float:
+    rows, seconds = rows_seconds
+    return rows / seconds
+
+
+async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="lmpool-efficiency-") as tmp:
+        if args.model == "tiny":
+            path = random_model.build(
+                Path(tmp), "tiny", random_model.default_tokenizer_dir(), torch.float32, 0
+            )
+        elif args.model == "default":
+            path = benchkit.model_dir()
+        else:
+            path = Path(args.model) if args.model != "env" else benchkit.model_dir()
+        report.line(
+            f"# model {args.model} ({path.name}), {args.dtype} on {args.device}"
+            f"{benchkit.device_name(args.device)}, torch {torch.__version__}, "
+            f"{args.threads} torch thread(s) each side; pool backend {args.backend}"
+        )
+        model = load_model(path, args.device, args.dtype)
+        bare_smc(model, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)  # warm-up
+        bare: dict[str, tuple[int, float]] = {}
+        with RedisServer() as server:
+            # bare and pool alternate, so that a slow spell of the machine hits both
+            pools: list[dict[str, Any]] = []
+            offs: list[dict[str, Any]] = []
+            for _ in range(args.rounds):
+                if "smc" in args.shapes:
+                    r, s = bare_smc(model, args, args.seed)
+                    prev = bare.get("smc", (0, 0.0))
+                    bare["smc"] = (prev[0] + r, prev[1] + s)
+                if "genlm" in args.shapes:
+                    r, s = bare_genlm(model, args)
+                    prev = bare.get("genlm", (0, 0.0))
+                    bare["genlm"] = (prev[0] + r, prev[1] + s)
+                pools.append(await pool_side(server.url, path, args, None))
+                if args.kv_off and "smc" in args.shapes:
+                    offs.append(await pool_side(server.url, path, args, 0))
+        del model
+
+    def total(sides: list[dict[str, Any]], shape: str) -> tuple[int, float]:
+        return (sum(p[shape][0] for p in sides), sum(p[shape][1] for p in sides))
+
+    p = f"{args.particles} particles, {args.prompt_tokens}-token prompt, {args.steps} steps"
+    if "smc" in args.shapes:
+        b, pl = rate(bare["smc"]), rate(total(pools, "smc"))
+        kv = pools[-1]["kv"]
+        hit = kv.get("tokens_reused", 0) / max(kv.get("tokens_requested", 0), 1)
+        report.line(
+            f"SMC ({p}, x{args.rounds}): bare {b:.1f} rows/s, pool (KV on) {pl:.1f} rows/s = "
+            f"{pl / b:.2f}x bare (target >= 0.5x); KV hit rate {hit:.3f}, "
+            f"forward passes {kv.get('forward_passes', 0)}"
+        )
+        if offs:
+            off = rate(total(offs, "smc"))
+            report.line(
+                f"   pool KV off {off:.1f} rows/s; KV on / off = {pl / off:.2f}x (target >= 1x)"
+            )
+    if "genlm" in args.shapes:
+        b, pl = rate(bare["genlm"]), rate(total(pools, "genlm"))
+        report.line(
+            f"genlm (64 prompts = {args.prompt_tokens}-token prefix + 8, {args.sets} sets after "
+            f"one untimed, x{args.rounds}): bare {b:.1f} rows/s, pool {pl:.1f} rows/s = "
+            f"{pl / b:.2f}x bare"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default="tiny", help="tiny (random, built here), default, env, or a folder"
+    )
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--shapes", default="smc,genlm", help="smc, genlm or both")
+    parser.add_argument("--particles", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--sets", type=int, default=3, help="timed prompt sets of the genlm shape")
+    parser.add_argument("--rounds", type=int, default=2, help="bare and pool alternate this often")
+    parser.add_argument("--kv-off", action="store_true", help="also the pool with its KV cache off")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on each side")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    benchkit.output_args(parser)
+    return benchkit.run_reported(run, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
