@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -81,6 +81,31 @@ async def test_bad_input_is_a_clear_error_and_the_worker_carries_on(
         with pytest.raises(InvalidRequest, match="temperature"):
             await lm.sample([1], 3, [V - 1], temperature=0.0)
         assert torch.equal(await lm.next_token_logprobs([1]), reference([1]))
+
+
+@pytest.mark.asyncio
+async def test_bad_input_errors_say_what_is_wrong_and_how_to_fix_it(
+    any_redis_url: str, mock_worker: Any
+) -> None:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
+        with pytest.raises(InvalidRequest, match=r"^empty continuation: "):
+            await lm.score([1, 2], [])
+        with pytest.raises(InvalidRequest, match=r"^empty prompt: "):
+            await lm.score([], [1])
+        text: Any = "The capital of France is"  # text where token ids belong
+        hint = r"tokenize text first, e\.g\. lm\.tokenizer\.encode\(text\)$"
+        with pytest.raises(InvalidRequest, match=r"prompt token ids must be integers.*" + hint):
+            await lm.next_token_logprobs(text)
+        with pytest.raises(InvalidRequest, match="continuation token ids .*" + hint):
+            await lm.score([1], text)
+        with pytest.raises(InvalidRequest, match="token id 'a' is not an integer.*" + hint):
+            await lm.next_token_logprobs(cast(Any, list("abc")))
+        with pytest.raises(InvalidRequest, match="eos_token_ids"):
+            await lm.sample([1], 3, eos_token_ids=cast(Any, "</s>"))
+        # checked by the worker: the class name is not repeated in the message
+        with pytest.raises(InvalidRequest) as caught:
+            await lm.sample([1], 3, [V - 1], temperature=0.0)
+        assert str(caught.value) == "temperature must be > 0, got 0.0"
 
 
 @pytest.mark.asyncio

@@ -65,6 +65,13 @@ def test_bad_values_fail_at_start_up(var: str, value: str) -> None:
         Settings.from_env({var: value})
 
 
+def test_a_value_of_the_wrong_kind_is_named_in_plain_words() -> None:
+    with pytest.raises(SettingsError, match=r"LMPOOL_MAX_BATCH='many' is not an integer$"):
+        Settings.from_env({"LMPOOL_MAX_BATCH": "many"})
+    with pytest.raises(SettingsError, match=r"LMPOOL_TIMEOUT_S='soon' is not a number$"):
+        Settings.from_env({"LMPOOL_TIMEOUT_S": "soon"})
+
+
 def test_readme_settings_table_is_current() -> None:
     """README lists every setting with its default.
 
