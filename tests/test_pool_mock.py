@@ -141,6 +141,18 @@ async def test_timeout_when_the_worker_is_gone_names_queue_state(
     await lm.close()
 
 
+def test_a_blocking_timeout_names_the_queue_state_too(any_redis_url: str, mock_worker: Any) -> None:
+    """The blocking path (one request, and a batch) says what the async path says."""
+    lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL, timeout_s=1.0))
+    mock_worker.kill()
+    state = r"\(0 live worker\(s\), interactive queue {n} \(0 pending\), offline queue 0"
+    with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s " + state.format(n=1)):
+        lm.next_token_logprobs_sync([42, 43])
+    with pytest.raises(RequestTimeout, match=r"within 1s " + state.format(n=3)):
+        lm.batch_next_token_logprobs_sync([[42, 43], [44], [45]])
+    asyncio.run(lm.close())
+
+
 @pytest.mark.asyncio
 async def test_two_workers_two_producers_many_requests_each_computed_once(
     any_redis_url: str, workers: Callable[..., Any]
