@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
-# The CPU build of torch; on a CUDA machine: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# torch from PyPI: on Linux x86-64 its CUDA build (it runs on the CPU too). The CPU-only build,
+# from PyTorch's index: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
 CODE = shared worker producer tests bench
 

@@ -114,22 +114,48 @@ class PoolClient:
 
     # -- diagnostics ----------------------------------------------------------------------
     async def queue_state(self, redis: AnyRedis) -> str:
-        """One line on the model's queue for error messages."""
-
+        """One line on the model's queue for error messages (``RequestTimeout``)."""
         try:
-            workers = await registry.live_workers(redis, self.keys, self.model)
-            totals = {"interactive": [0, 0], "offline": [0, 0]}
-            for stream in self.keys.streams(self.model, self.settings.shards):
-                kind = "offline" if self.keys.parse_stream(stream).offline else "interactive"
-                totals[kind][0] += await redis.xlen(stream)
-                with contextlib.suppress(Exception):  # no group yet: nothing pending
-                    totals[kind][1] += int((await redis.xpending(stream, GROUP))["pending"])
-            return ", ".join(
-                [f"{len(workers)} live worker(s)"]
-                + [f"{k} queue {n} ({p} pending)" for k, (n, p) in totals.items()]
-            )
+            pipe = redis.pipeline(transaction=False)
+            self._ask_queue_state(pipe)
+            return self._queue_state_line(await pipe.execute(raise_on_error=False))
         except Exception as e:
             return f"queue state unavailable: {e!r}"
+
+    def queue_state_sync(self, redis: Any) -> str:
+        """:meth:`queue_state` with a synchronous client (the blocking path's)."""
+        try:
+            pipe = redis.pipeline(transaction=False)
+            self._ask_queue_state(pipe)
+            return self._queue_state_line(pipe.execute(raise_on_error=False))
+        except Exception as e:
+            return f"queue state unavailable: {e!r}"
+
+    def _ask_queue_state(self, pipe: Any) -> None:
+        """Queue what :meth:`_queue_state_line` reads: live workers, then each stream's length
+        and pending count."""
+        pipe.zrangebyscore(self.keys.workers(self.model), registry.now_ms(), "+inf")
+        for stream in self.keys.streams(self.model, self.settings.shards):
+            pipe.xlen(stream)
+            pipe.xpending(stream, GROUP)
+
+    def _queue_state_line(self, answers: list[Any]) -> str:
+        if isinstance(answers[0], Exception):
+            raise answers[0]
+        totals = {"interactive": [0, 0], "offline": [0, 0]}
+        streams = self.keys.streams(self.model, self.settings.shards)
+        for i, stream in enumerate(streams):
+            length, pending = answers[1 + 2 * i], answers[2 + 2 * i]
+            if isinstance(length, Exception):
+                raise length
+            kind = "offline" if self.keys.parse_stream(stream).offline else "interactive"
+            totals[kind][0] += int(length)
+            if not isinstance(pending, Exception):  # no group yet: nothing pending
+                totals[kind][1] += int(pending["pending"])
+        return ", ".join(
+            [f"{len(answers[0])} live worker(s)"]
+            + [f"{k} queue {n} ({p} pending)" for k, (n, p) in totals.items()]
+        )
 
     async def clear_results(self) -> int:
         """UNLINK every cached result of this model, in batches."""

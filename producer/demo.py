@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,20 +68,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis_url:
         asyncio.run(score(args.redis_url, args.top_k))
         return 0
-    log_path = Path(tempfile.mkdtemp(prefix="lmpool-demo-")) / "worker.log"
-    with RedisServer() as server:
-        print(f"private Redis on {server.url} ({server.binary})")
-        worker = WorkerProcess(server.url, log_path=log_path, backend=args.backend).start()
-        print(f"worker pid {worker.pid} loading the default model (log: {log_path})")
-        try:
-            t0 = time.monotonic()
-            worker.wait_ready(timeout_s=600)  # fails at once, with the log, if the worker dies
-            print(f"worker ready after {time.monotonic() - t0:.1f}s")
-            asyncio.run(score(server.url, args.top_k))
-        finally:
-            code = worker.terminate(timeout_s=60)
-            print(f"worker stopped (exit {code})")
-    return 0
+    folder = Path(tempfile.mkdtemp(prefix="lmpool-demo-"))
+    log_path = folder / "worker.log"
+    ok = False
+    try:
+        with RedisServer() as server:
+            print(f"private Redis on {server.url} ({server.binary})")
+            worker = WorkerProcess(server.url, log_path=log_path, backend=args.backend).start()
+            print(f"worker pid {worker.pid} loading the default model (log: {log_path})")
+            try:
+                t0 = time.monotonic()
+                worker.wait_ready(timeout_s=600)  # fails at once, with the log, if it dies
+                print(f"worker ready after {time.monotonic() - t0:.1f}s")
+                asyncio.run(score(server.url, args.top_k))
+                ok = True
+            finally:
+                code = worker.terminate(timeout_s=60)
+                print(f"worker stopped (exit {code})")
+                ok = ok and code == 0
+    finally:
+        if ok:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            print(f"the demo failed; the worker's log is kept: {log_path}", file=sys.stderr)
+    if ok:
+        print(next_steps())
+    return 0 if ok else 1
+
+
+def next_steps() -> str:
+    """Where the README's commands are: this interpreter's folder, which a ``make`` install
+    does not put on ``PATH`` (its ``.venv`` is not activated)."""
+    bin_dir = Path(sys.executable).parent
+    commands = "arq worker.WorkerSettings, lmpool-status, lmpool-score"
+    if sys.prefix == sys.base_prefix or os.environ.get("VIRTUAL_ENV") == sys.prefix:
+        return f"\nthe README's commands ({commands}) run from here as written"
+    return (
+        f"\nthe README's commands ({commands}) are in {bin_dir}: "
+        f"run `source {bin_dir / 'activate'}` first"
+    )
 
 
 if __name__ == "__main__":

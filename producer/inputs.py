@@ -11,13 +11,22 @@ import torch
 
 from shared.errors import InvalidRequest
 
+TOKENIZE_HINT = "tokenize text first, e.g. lm.tokenizer.encode(text)"
+"""What an error about text given as token ids suggests."""
 
-def token_array(token_ids: Any, vocab_size: int) -> np.ndarray:
+
+def token_array(token_ids: Any, vocab_size: int, what: str = "prompt") -> np.ndarray:
     """Token ids as a little-endian int32 array, checked in time linear in their number.
 
     Accepts what genlm-backend accepts (Python ints, numpy integers, 0-d integer tensors, in a
-    list or tuple) and 1-D integer arrays and tensors; anything else raises ``InvalidRequest``.
+    list or tuple) and 1-D integer arrays and tensors; anything else raises ``InvalidRequest``,
+    whose message names ``what`` the ids are (``"prompt"``, ``"continuation"``).
     """
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidRequest(
+            f"{what} token ids must be integers, not {type(token_ids).__name__} "
+            f"{token_ids[:40]!r}: {TOKENIZE_HINT}"
+        )
     if isinstance(token_ids, torch.Tensor):
         arr = token_ids.detach().cpu().numpy()
     elif isinstance(token_ids, np.ndarray):
@@ -26,27 +35,40 @@ def token_array(token_ids: Any, vocab_size: int) -> np.ndarray:
         try:
             arr = np.asarray(token_ids)
         except (ValueError, TypeError, OverflowError, RuntimeError) as e:
-            raise InvalidRequest(f"token ids must be a flat sequence of integers: {e}") from None
+            raise InvalidRequest(
+                f"{what} token ids must be a flat sequence of integers: {e}"
+            ) from None
     if arr.ndim != 1:
-        raise InvalidRequest(f"token ids must be one flat sequence, not of shape {arr.shape}")
+        raise InvalidRequest(
+            f"{what} token ids must be one flat sequence, not of shape {arr.shape}"
+        )
     if arr.size == 0:
-        raise InvalidRequest("empty prompt: at least one token id is needed")
+        raise InvalidRequest(f"empty {what}: at least one token id is needed")
     if arr.dtype.kind not in "iu":
         bad = next((x for x in arr.tolist() if type(x) is not int), arr[0])
-        raise InvalidRequest(f"token id {bad!r} is not an integer in [0, {vocab_size})")
+        hint = f": {TOKENIZE_HINT}" if arr.dtype.kind in "US" else ""
+        raise InvalidRequest(
+            f"{what} token id {bad!r} is not an integer in [0, {vocab_size}){hint}"
+        )
     outside = (arr < 0) | (arr >= vocab_size)
     if outside.any():
         bad = arr[int(np.argmax(outside))]
-        raise InvalidRequest(f"token id {int(bad)} is not an integer in [0, {vocab_size})")
+        raise InvalidRequest(f"{what} token id {int(bad)} is not an integer in [0, {vocab_size})")
     return arr.astype("<i4", copy=False)
 
 
 def sample_params(
     max_tokens: int, eos_token_ids: Sequence[int], temperature: float, seed: int | None
 ) -> dict[str, Any]:
-    return {
-        "max_tokens": int(max_tokens),
-        "eos": [int(t) for t in eos_token_ids],
-        "temperature": float(temperature),
-        "seed": int(seed) if seed is not None else secrets.randbits(62),
-    }
+    try:
+        return {
+            "max_tokens": int(max_tokens),
+            "eos": [int(t) for t in eos_token_ids],
+            "temperature": float(temperature),
+            "seed": int(seed) if seed is not None else secrets.randbits(62),
+        }
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(
+            "max_tokens, temperature and seed must be numbers, eos_token_ids a list of token "
+            f"ids: {e}"
+        ) from None

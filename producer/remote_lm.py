@@ -313,7 +313,7 @@ class RemoteLM(AdapterMethods):
         self, prompt_ids: Ids, continuation_ids: Ids, lora_name: str | None = None
     ) -> torch.Tensor:
         """Log-prob of each continuation token given all before it (one forward pass)."""
-        cont = token_array(continuation_ids, self.vocab_size).tolist()
+        cont = token_array(continuation_ids, self.vocab_size, "continuation").tolist()
         lora = await self._adapter(lora_name) if lora_name is not None else None
         prepared = self._prepare("score", prompt_ids, lora, {"cont": cont}, extra_tokens=len(cont))
         return await self._call(prepared)

@@ -153,7 +153,10 @@ class SyncState:
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RequestTimeout(f"no answer from model {c.model!r} within {timeout_s:g}s")
+                state = c.queue_state_sync(self.redis)
+                raise RequestTimeout(
+                    f"no answer from model {c.model!r} within {timeout_s:g}s ({state})"
+                )
             if again:  # gone from the cache before it was read (evicted): compute it again
                 again = self._submit(again, left, results, force=True)
                 waiting = set(wanted) - set(results)

@@ -110,6 +110,9 @@ def error_from_wire(code: str, message: str) -> LMPoolError:
 
 
 def error_to_wire(exc: BaseException) -> WireError:
-    """The wire form of an exception: lmpool errors keep their code, others become ``worker``."""
-    code = exc.code if isinstance(exc, LMPoolError) else WorkerError.code
-    return {"code": code, "message": f"{type(exc).__name__}: {exc}"}
+    """The wire form of an exception: lmpool errors keep their code and message (the producer
+    raises the same class again, so the message does not repeat its name); others become
+    ``worker``, their class named in the message (``RuntimeError: ...``)."""
+    if isinstance(exc, LMPoolError):
+        return {"code": exc.code, "message": str(exc)}
+    return {"code": WorkerError.code, "message": f"{type(exc).__name__}: {exc}"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from typing import Any, cast
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis as sync_redis
 from redis.asyncio import Redis
@@ -49,6 +50,22 @@ AnyRedis = Redis | RedisCluster
 """A client of a single Redis or of a cluster: lmpool's code works with either."""
 _CLUSTER: dict[str, bool] = {}
 """What each URL named, once asked: a cluster (True) or a single server."""
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***`` (in the user part and a ``password=``
+    query parameter): what log lines and error messages may print."""
+    parts = urlsplit(url)
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        auth, _, host = netloc.rpartition("@")
+        netloc = f"{auth.partition(':')[0]}:***@{host}"
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k == "password" for k, _ in pairs):
+        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="*/")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def is_cluster(url: str) -> bool:

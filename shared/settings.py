@@ -274,7 +274,8 @@ def _parse(var: str, raw: str, kind: Any) -> Any:
         if kind is float:
             return float(raw)
     except ValueError:
-        raise SettingsError(f"{var}={raw!r} is not a {kind.__name__}") from None
+        what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise SettingsError(f"{var}={raw!r} is not {what}") from None
     return raw
 
 

@@ -8,7 +8,14 @@ import torch
 
 from shared import protocol
 from shared.codec import decode_tensor, encode_tensor
-from shared.errors import InvalidRequest, ProtocolError, error_from_wire, error_to_wire
+from shared.errors import (
+    InvalidRequest,
+    ProtocolError,
+    UnknownAdapter,
+    WorkerError,
+    error_from_wire,
+    error_to_wire,
+)
 
 DTYPES = [
     torch.float64,
@@ -153,6 +160,19 @@ def test_error_replies_become_typed_errors() -> None:
     assert isinstance(err, InvalidRequest)
     assert "token id 7" in str(err)
     assert type(error_from_wire("no-such-code", "x")).__name__ == "LMPoolError"
+
+
+def test_an_error_rebuilt_from_the_wire_names_its_class_once() -> None:
+    """The producer raises the class the code names: a message that repeated it printed
+    ``InvalidRequest: InvalidRequest: ...``. Other exceptions become ``WorkerError`` and keep
+    their own class name in the message."""
+    for error in (InvalidRequest("temperature must be > 0"), UnknownAdapter("unknown 'x'")):
+        rebuilt = error_from_wire(**error_to_wire(error))
+        assert type(rebuilt) is type(error)
+        assert str(rebuilt) == str(error)
+    rebuilt = error_from_wire(**error_to_wire(RuntimeError("CUDA out of memory")))
+    assert type(rebuilt) is WorkerError
+    assert str(rebuilt) == "RuntimeError: CUDA out of memory"
 
 
 from hypothesis import given, settings  # noqa: E402

@@ -1,15 +1,21 @@
-"""Worker logs: JSON lines with request digests when asked for."""
+"""Worker logs: JSON lines with request digests when asked for; a takeover when it happens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import redis
+import torch
 
 from producer import RemoteLM
+from shared.keys import GROUP, Keys
 from shared.settings import Settings
+from worker.backends.mock import MockBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,3 +40,53 @@ async def test_json_logs_carry_request_digests(redis_url: str, workers: Callable
 def test_log_format_is_validated() -> None:
     with pytest.raises(ValueError, match="LOG_FORMAT"):
         Settings.from_env({"LMPOOL_LOG_FORMAT": "xml"})
+
+
+def _pending(url: str, model: str) -> list[tuple[str, str, str]]:
+    """(stream, entry id, consumer) of every entry pending in the model's streams."""
+    keys, r = Keys(), redis.Redis.from_url(url, decode_responses=True)
+    try:
+        return [
+            (stream, p["message_id"], p["consumer"])
+            for stream in keys.streams(model, Settings().shards)
+            if r.exists(stream)
+            for p in cast(
+                "list[dict[str, Any]]",
+                r.xpending_range(stream, GROUP, min="-", max="+", count=100),
+            )
+        ]
+    finally:
+        r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_takeover_is_logged_when_it_happens(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """kill -9 a worker with a request in hand: the survivor's log names the entry and its
+    dead owner as soon as it takes them over, while it is still busy with other work, not
+    only once it gets round to running the entry."""
+    common = {"backend": "mock", "mock_vocab_size": 300, "claim_after_s": 0.5}
+    victim = workers(redis_url, **common, mock_delay_ms=60_000)  # holds what it reads
+    async with await RemoteLM.connect(redis_url, model="mock-300", timeout_s=120) as lm:
+        held = asyncio.create_task(lm.next_token_logprobs([7, 7, 7]))
+        deadline = time.monotonic() + 30
+        while not (pending := _pending(redis_url, "mock-300")):
+            assert time.monotonic() < deadline, "the victim never read the request"
+            await asyncio.sleep(0.05)
+        [(stream, entry_id, owner)] = pending
+        victim.kill()
+        prompts = [[i % 250, i // 250, 3] for i in range(400)]  # 25 batches of 0.1 s
+        busy = [asyncio.create_task(lm.next_token_logprobs(p)) for p in prompts]
+        survivor = workers(redis_url, **common, mock_delay_ms=100, wait=False)
+        await asyncio.to_thread(survivor.wait_ready)
+        while entry_id not in survivor.log(chars=1_000_000):
+            assert time.monotonic() < deadline + 60, survivor.log()
+            await asyncio.sleep(0.05)
+        answered = sum(t.done() for t in busy)
+        assert answered < len(busy) // 2, f"logged only after {answered} others were answered"
+        line = next(x for x in survivor.log(chars=1_000_000).splitlines() if entry_id in x)
+        assert "taking over 1 entry of " + owner + " on " + stream in line, line
+        results = await asyncio.gather(held, *busy)
+    for got, ids in zip(results, [[7, 7, 7], *prompts], strict=True):
+        assert torch.equal(got, MockBackend(300).logprobs([ids], None)[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -84,6 +84,31 @@ async def test_bad_input_is_a_clear_error_and_the_worker_carries_on(
 
 
 @pytest.mark.asyncio
+async def test_bad_input_errors_say_what_is_wrong_and_how_to_fix_it(
+    any_redis_url: str, mock_worker: Any
+) -> None:
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
+        with pytest.raises(InvalidRequest, match=r"^empty continuation: "):
+            await lm.score([1, 2], [])
+        with pytest.raises(InvalidRequest, match=r"^empty prompt: "):
+            await lm.score([], [1])
+        text: Any = "The capital of France is"  # text where token ids belong
+        hint = r"tokenize text first, e\.g\. lm\.tokenizer\.encode\(text\)$"
+        with pytest.raises(InvalidRequest, match=r"prompt token ids must be integers.*" + hint):
+            await lm.next_token_logprobs(text)
+        with pytest.raises(InvalidRequest, match="continuation token ids .*" + hint):
+            await lm.score([1], text)
+        with pytest.raises(InvalidRequest, match="token id 'a' is not an integer.*" + hint):
+            await lm.next_token_logprobs(cast(Any, list("abc")))
+        with pytest.raises(InvalidRequest, match="eos_token_ids"):
+            await lm.sample([1], 3, eos_token_ids=cast(Any, "</s>"))
+        # checked by the worker: the class name is not repeated in the message
+        with pytest.raises(InvalidRequest) as caught:
+            await lm.sample([1], 3, [V - 1], temperature=0.0)
+        assert str(caught.value) == "temperature must be > 0, got 0.0"
+
+
+@pytest.mark.asyncio
 async def test_sampling_is_seeded_and_scoring_matches_logprobs(
     any_redis_url: str, mock_worker: Any
 ) -> None:
@@ -114,6 +139,18 @@ async def test_timeout_when_the_worker_is_gone_names_queue_state(
     with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s.*interactive queue 1"):
         await lm.next_token_logprobs([42, 43])
     await lm.close()
+
+
+def test_a_blocking_timeout_names_the_queue_state_too(any_redis_url: str, mock_worker: Any) -> None:
+    """The blocking path (one request, and a batch) says what the async path says."""
+    lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL, timeout_s=1.0))
+    mock_worker.kill()
+    state = r"\(0 live worker\(s\), interactive queue {n} \(0 pending\), offline queue 0"
+    with pytest.raises(RequestTimeout, match=r"mock-300.*within 1s " + state.format(n=1)):
+        lm.next_token_logprobs_sync([42, 43])
+    with pytest.raises(RequestTimeout, match=r"within 1s " + state.format(n=3)):
+        lm.batch_next_token_logprobs_sync([[42, 43], [44], [45]])
+    asyncio.run(lm.close())
 
 
 @pytest.mark.asyncio

@@ -65,6 +65,13 @@ def test_bad_values_fail_at_start_up(var: str, value: str) -> None:
         Settings.from_env({var: value})
 
 
+def test_a_value_of_the_wrong_kind_is_named_in_plain_words() -> None:
+    with pytest.raises(SettingsError, match=r"LMPOOL_MAX_BATCH='many' is not an integer$"):
+        Settings.from_env({"LMPOOL_MAX_BATCH": "many"})
+    with pytest.raises(SettingsError, match=r"LMPOOL_TIMEOUT_S='soon' is not a number$"):
+        Settings.from_env({"LMPOOL_TIMEOUT_S": "soon"})
+
+
 def test_readme_settings_table_is_current() -> None:
     """README lists every setting with its default.
 
@@ -106,3 +113,32 @@ def test_a_missing_model_stops_the_worker_naming_the_setting(redis_url: str) -> 
     assert res.returncode == 2
     assert "LMPOOL_MODEL='/nonexistent/model': no such file or directory" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_an_unreachable_redis_stops_the_worker_with_one_line() -> None:
+    """After arq's own retries (a line each), one line naming the URL, password masked; no
+    traceback; exit status 1."""
+    from shared.redis_server import free_port
+
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    res = _start_worker(LMPOOL_REDIS_URL=url)
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1].startswith(
+        f"lmpool worker: cannot reach Redis at LMPOOL_REDIS_URL={url.replace('hunter2', '***')}: "
+    ), lines[-1]
+    assert all("retries remaining" in line for line in lines[:-1]), lines
+    assert "hunter2" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_an_unreachable_pool_redis_stops_the_worker_naming_it(redis_url: str) -> None:
+    """arq's queue answers (LMPOOL_ARQ_REDIS_URL), the pool's Redis does not: found at
+    start-up, logged on one line, exit status 1."""
+    from shared.redis_server import free_port
+
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    res = _start_worker(LMPOOL_REDIS_URL=url, LMPOOL_ARQ_REDIS_URL=redis_url)
+    assert res.returncode == 1, res.stderr
+    masked = url.replace("hunter2", "***")
+    assert f"cannot reach Redis at LMPOOL_REDIS_URL={masked}: " in res.stderr
+    assert "hunter2" not in res.stderr and "Traceback" not in res.stderr

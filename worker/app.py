@@ -11,6 +11,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
@@ -24,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.errors import SettingsError
 from shared.keys import Keys
 from shared.logs import setup_logging
-from shared.redis_conn import is_cluster, is_cluster_async
+from shared.redis_conn import is_cluster, is_cluster_async, masked_url
 from shared.settings import Settings
 from worker.jobs import pack_job, score_file, unpack_job
 
@@ -43,6 +44,9 @@ async def startup(ctx: dict[str, Any]) -> None:
     except SettingsError as e:  # found once the servers or the model were looked at
         log.error("%s", e)
         raise SystemExit(2) from None
+    except (RedisConnectionError, RedisTimeoutError) as e:  # arq's own Redis answered
+        log.error("%s", unreachable("LMPOOL_REDIS_URL", _SETTINGS.redis_url, e))
+        raise SystemExit(1) from None
 
 
 async def _start(ctx: dict[str, Any]) -> None:
@@ -57,8 +61,8 @@ async def _start(ctx: dict[str, Any]) -> None:
         raise SettingsError(no_arq_redis(settings))
     if settings.arq_redis_url and await is_cluster_async(settings.arq_redis_url):
         raise SettingsError(
-            f"LMPOOL_ARQ_REDIS_URL={settings.arq_redis_url} is a Redis Cluster node: arq needs "
-            "a plain Redis"
+            f"LMPOOL_ARQ_REDIS_URL={masked_url(settings.arq_redis_url)} is a Redis Cluster node: "
+            "arq needs a plain Redis"
         )
     if settings.torch_threads:
         import torch
@@ -87,9 +91,14 @@ async def pool_info(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def no_arq_redis(settings: Settings) -> str:
     return (
-        f"LMPOOL_REDIS_URL={settings.redis_url} is a Redis Cluster node, and arq's job queue "
-        "cannot live on a cluster: set LMPOOL_ARQ_REDIS_URL to a plain Redis"
+        f"LMPOOL_REDIS_URL={masked_url(settings.redis_url)} is a Redis Cluster node, and arq's "
+        "job queue cannot live on a cluster: set LMPOOL_ARQ_REDIS_URL to a plain Redis"
     )
+
+
+def unreachable(variable: str, url: str, error: BaseException) -> str:
+    """The line a worker ends with when Redis does not answer (its password masked)."""
+    return f"cannot reach Redis at {variable}={masked_url(url)}: {error}"
 
 
 def arq_url(settings: Settings) -> str:
@@ -118,6 +127,33 @@ def _or_exit(check: Callable[[], T]) -> T:
 
 
 _SETTINGS = _or_exit(load_settings)
+
+
+def _report_unreachable(
+    kind: type[BaseException], error: BaseException, tb: TracebackType | None
+) -> None:
+    """``sys.excepthook``: when arq's worker could not reach its Redis (after its own
+    retries), one line naming the URL instead of a traceback through arq and redis-py; exit
+    status 1. Anything else goes to the hook this one replaced."""
+    if isinstance(error, (RedisConnectionError, RedisTimeoutError)) and _through_arq(tb):
+        variable = "LMPOOL_ARQ_REDIS_URL" if _SETTINGS.arq_redis_url else "LMPOOL_REDIS_URL"
+        url = _SETTINGS.arq_redis_url or _SETTINGS.redis_url
+        print(f"lmpool worker: {unreachable(variable, url, error)}", file=sys.stderr)
+        return
+    _previous_hook(kind, error, tb)
+
+
+def _through_arq(tb: TracebackType | None) -> bool:
+    """Whether the exception came through arq's code (its CLI, its worker's connection)."""
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("arq."):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_previous_hook = sys.excepthook
+sys.excepthook = _report_unreachable
 
 
 def redis_settings(url: str) -> RedisSettings:

@@ -142,11 +142,14 @@ class Consumer:
         self.reader.room.set()
         self.compute.have.set()
 
-    def add_reclaimable(self, stream: str, entry_ids: list[str]) -> None:
-        """Queue entries of a dead consumer, to be claimed and run one at a time."""
+    def add_reclaimable(self, stream: str, entry_ids: list[str]) -> list[str]:
+        """Queue entries of a dead consumer, to be claimed and run one at a time; returns the
+        ids not queued before."""
         queued = set(self._reclaimable)
-        self._reclaimable.extend((stream, i) for i in entry_ids if (stream, i) not in queued)
+        new = [i for i in entry_ids if (stream, i) not in queued]
+        self._reclaimable.extend((stream, i) for i in new)
         self.compute.have.set()
+        return new
 
     # -- reading --------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -204,7 +207,7 @@ class Consumer:
             claimed = await self._claim(stream, entry_id)
             if not claimed:
                 continue
-            log.warning("reclaimed %s %s from a dead consumer", stream, entry_id)
+            log.info("running %s %s alone, claimed from a dead consumer", stream, entry_id)
             jobs = await self._take(claimed, alone=True)
             todo = [j for j in jobs if j.work is not None]
             settled = [j for j in jobs if j.work is None]

@@ -49,7 +49,19 @@ async def reclaim_once(consumer: Consumer) -> int:
             if p["times_delivered"] >= s.max_deliveries
         }
         if retry:
-            consumer.add_reclaimable(stream, retry)
+            new = consumer.add_reclaimable(stream, retry)
+            if new:
+                owners = sorted({_s(p["consumer"]) for p in pending if _s(p["message_id"]) in new})
+                log.warning(
+                    "taking over %d entr%s of %s on %s, idle past LMPOOL_CLAIM_AFTER_S=%gs "
+                    "(a dead or stuck worker): %s; each runs alone when this worker is free",
+                    len(new),
+                    "y" if len(new) == 1 else "ies",
+                    ", ".join(owners),
+                    stream,
+                    s.claim_after_s,
+                    _ids(new),
+                )
             taken += len(retry)
         if doomed:
             claimed = await consumer.reader.claim(stream, list(doomed))
@@ -73,6 +85,12 @@ async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
             await consumer.ensure_groups()
         except Exception:
             log.exception("reclaim scan failed; retrying next period")
+
+
+def _ids(entry_ids: list[str], most: int = 8) -> str:
+    """Entry ids for a log line: the first ``most``, then how many more."""
+    shown = " ".join(entry_ids[:most])
+    return shown if len(entry_ids) <= most else f"{shown} and {len(entry_ids) - most} more"
 
 
 def _s(value: Any) -> str:
