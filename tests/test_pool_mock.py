@@ -17,6 +17,8 @@ from shared.errors import InvalidRequest, NoWorker, RequestTimeout
 from shared.keys import Keys
 from shared.redis_conn import connect_redis_sync
 from worker.backends.mock import MockBackend
+from worker.stream.batcher import Job
+from worker.stream.writer import finish_groups
 
 V = 300
 MODEL = f"mock-{V}"
@@ -223,6 +225,37 @@ async def test_a_partly_filled_batch_waits_max_wait_ms_for_company(
         assert batches == 1
     else:  # each runs when read (on a cluster, a shard read late may bring two together)
         assert batches > 1
+
+
+def test_finish_groups_close_after_a_megabyte_of_results() -> None:
+    row, small = bytes(196_608), bytes(1_200)
+    jobs = [Job(f"d{i}", 0, [], result=row) for i in range(13)]
+    groups = finish_groups(jobs)
+    assert [len(g) for g in groups] == [6, 6, 1]  # a group closes once it holds >= 1 MiB
+    assert [i for g in groups for i in g] == list(range(13))  # every job once, in order
+    assert finish_groups([Job(f"s{i}", 0, [], result=small) for i in range(500)]) == [
+        list(range(500))
+    ]
+    errors = [Job(f"e{i}", 0, []) for i in range(3)]  # no result: errors, cache hits
+    assert finish_groups(errors) == [[0, 1, 2]]
+
+
+@pytest.mark.asyncio
+async def test_full_rows_written_in_several_finish_groups_all_reach_their_askers(
+    any_redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Rows of SmolLM2's vocabulary (196 KB each) go out in groups of about 1 MB, each with
+    its own FINISH: every asker gets its own row, on a single Redis (replies pushed by FINISH)
+    and on a cluster (replies pushed by a second pipeline, FINISH by FINISH)."""
+    vocab = 49152
+    w = workers(any_redis_url, backend="mock", mock_vocab_size=vocab, max_batch=32)
+    prompts = [[7, 8, i] for i in range(20)]
+    assert len(finish_groups([Job("d", 0, [], result=bytes(4 * vocab))] * 20)) > 3
+    async with await RemoteLM.connect(any_redis_url, model=f"mock-{vocab}") as lm:
+        rows = await lm.batch_next_token_logprobs(prompts)
+    for ids, row in zip(prompts, rows, strict=True):
+        assert torch.equal(row, reference(ids, vocab))
+    assert await w.wait_counter("requests", 20) == 20
 
 
 @pytest.mark.asyncio

@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.codec import decode_tensor, encode_tensor
 from shared.redis_server import RedisServer
-from shared.resp import BIG_BULK, RespConnection, _Protocol, pack, supported
+from shared.resp import BIG_BULK, RespConnection, _Protocol, pack, pack_parts, supported
 
 BIG = bytes(random.Random(0).randbytes(BIG_BULK * 3 + 17))
 WIRE = (
@@ -139,6 +139,20 @@ def test_pack_writes_resp_and_refuses_what_redis_cannot_take() -> None:
         pack([["SET", "k", True]])
     with pytest.raises(TypeError, match="NoneType"):
         pack([["SET", "k", None]])
+
+
+def test_big_arguments_are_sent_as_parts_of_their_own_uncopied() -> None:
+    row, other = bytes(BIG_BULK), bytearray(BIG_BULK + 1)
+    commands: list[list[Any]] = [
+        ["SET", "a", row, "PX", 5],
+        ["SET", "b", b"small"],
+        ["SET", "c", other],
+    ]
+    parts = pack_parts(commands)
+    assert b"".join(parts) == pack(commands)
+    assert sum(p is row for p in parts) == 1 and sum(p is other for p in parts) == 1
+    assert len(parts) == 5  # the runs before, between and after the two big arguments
+    assert pack_parts([["GET", b"k" * (BIG_BULK - 1)]]) == [pack([["GET", b"k" * (BIG_BULK - 1)]])]
 
 
 def test_tls_urls_are_left_to_redis_py() -> None:

@@ -1,8 +1,9 @@
 """Writing answers: results into the shared cache, replies to the waiting producers, acks.
 
 One pipeline per flush (on a ``shared.resp`` connection of its own, on a single Redis without
-TLS): ``SET`` each new result (with its TTL), one FINISH call per shard
-(which takes each digest's waiter set and, on a single Redis, pushes the replies), the
+TLS): ``SET`` each new result (with its TTL) and one FINISH call per shard (which takes each
+digest's waiter set and, on a single Redis, pushes the replies), for each megabyte or so of
+results in turn (``finish_groups``: early replies are fetched while later results arrive), the
 dead letters, then ``XACK`` + ``XDEL`` of every entry answered. Entries are acknowledged only in
 the pipeline that wrote their answers, so a crash before it leaves them pending for another
 worker to reclaim; a crash after FINISH but before a cluster's second pipeline (the replies,
@@ -35,6 +36,8 @@ DEAD_LETTER_KEEP_BYTES = 4096
 WRITE_TIMEOUT_S = 15.0
 """A write pipeline unanswered this long is on a dead connection (as ``connect_redis``'s
 socket timeout): dropped, and the write retried on a new one."""
+FINISH_EVERY_BYTES = 1 << 20
+"""Results written before the FINISH that answers them (see ``finish_groups``)."""
 DEAD_LETTERS_KEPT = 10_000
 """Entries the dead-letter stream keeps (approximately), so its memory stays bounded."""
 
@@ -104,26 +107,28 @@ class Writer:
     async def write(self, jobs: list[Job]) -> None:
         ttl_ms = self.settings.result_ttl_s * 1000
         replies = [self._reply(job) for job in jobs]
-        by_shard: dict[int, list[int]] = defaultdict(list)
-        for i, job in enumerate(jobs):
-            if job.digest:
-                by_shard[job.shard].append(i)
-        order: list[int] = []
+        groups = finish_groups(jobs)
+        finishes: list[tuple[int, list[int]]] = []
+        """(shard, indices of its jobs) of each FINISH call, in pipeline order."""
 
         def build(pipe: Any) -> None:
-            order.clear()
-            for job in jobs:
-                if job.shared and job.outcome == "computed":
-                    pipe.set(
-                        self.keys.result(self.model, job.shard, job.digest), job.result, px=ttl_ms
-                    )
-            for shard, members in by_shard.items():
-                _, waiters = self.keys.digest_prefixes(self.model, shard)
-                args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters]
-                for i in members:
-                    args += [jobs[i].digest, replies[i]]
-                FINISH_SCRIPT.queue(pipe, [self.keys.stats(self.model, shard)], args)
-                order.append(shard)
+            finishes.clear()
+            for group in groups:
+                by_shard: dict[int, list[int]] = defaultdict(list)
+                for i in group:
+                    job = jobs[i]
+                    if job.shared and job.outcome == "computed":
+                        key = self.keys.result(self.model, job.shard, job.digest)
+                        pipe.set(key, job.result, px=ttl_ms)
+                    if job.digest:
+                        by_shard[job.shard].append(i)
+                for shard, members in by_shard.items():
+                    _, waiters = self.keys.digest_prefixes(self.model, shard)
+                    args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters]
+                    for i in members:
+                        args += [jobs[i].digest, replies[i]]
+                    FINISH_SCRIPT.queue(pipe, [self.keys.stats(self.model, shard)], args)
+                    finishes.append((shard, members))
             for job in jobs:
                 if job.dead is not None:
                     for entry in job.entries:
@@ -137,8 +142,8 @@ class Writer:
         if self.cluster:
             finished = [r for r in outcome if isinstance(r, list)]
             pipe = self.redis.pipeline(transaction=False)
-            for shard, lists in zip(order, finished, strict=True):
-                for i, waiting in zip(by_shard[shard], lists, strict=True):
+            for (_, members), lists in zip(finishes, finished, strict=True):
+                for i, waiting in zip(members, lists, strict=True):
                     for reply_list in waiting:
                         pipe.rpush(reply_list, replies[i])
                         pipe.pexpire(reply_list, ttl_ms)
@@ -176,6 +181,22 @@ class Writer:
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+
+
+def finish_groups(jobs: list[Job]) -> list[list[int]]:
+    """Indices of ``jobs`` in groups of about ``FINISH_EVERY_BYTES`` of results: each group's
+    results are followed by its own FINISH in the pipeline, so Redis pushes their replies as
+    soon as it has read them, and their askers fetch them while later results still arrive
+    (64 full rows are 12.5 MB: one FINISH at the end kept every asker waiting for all)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, job in enumerate(jobs):
+        if size >= FINISH_EVERY_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += len(job.result or b"")
+    return groups
 
 
 async def until_done(step: Callable[[], Awaitable[None]], give_up: Callable[[], bool]) -> bool:
