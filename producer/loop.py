@@ -193,7 +193,6 @@ class LoopState:
         ):
             await self._send_whole(batch[0])
             return
-        self.wake.set()
         by_digest = {p.prepared.digest: p for p in batch}
         items = [(p.prepared, self._deadline_ms(p), p.force) for p in batch]
         for p in batch:
@@ -217,6 +216,9 @@ class LoopState:
             self._failed(batch, e)
             return
         self.backoff.reset()
+        # Only now does the listener pop: a reply cannot come before its request is queued,
+        # and a listener that dies (NOPERM) must not end this state in mid-submission.
+        self.wake.set()
         fetch = []
         for prepared, outcome in Submitter.outcomes(calls, answers):
             p = by_digest[prepared.digest]
@@ -376,7 +378,7 @@ class LoopState:
                         await self._fetch(fetch)
         except asyncio.CancelledError:
             if not self.closing:  # the loop is ending (asyncio.run returns): let go of it all
-                await self._teardown("the event loop this request ran in ended")
+                await self.end("the event loop this request ran in ended", cancel=True)
             raise
 
     def _awaited(self) -> bool:
@@ -408,38 +410,45 @@ class LoopState:
         return fetch
 
     def _listener_done(self, task: asyncio.Task[None]) -> None:
+        """A listener that died (a non-transient error: NOPERM under ACLs, say) ends this
+        state as a close does."""
         if task.cancelled() or self.closing:
             return
-        error = task.exception()
-        reason = f"the reply listener stopped: {error!r}"
+        reason = f"the reply listener stopped: {task.exception()!r}"
         log.error("%s; failing this loop's requests", reason)
-        self.dead = reason
+        self.dead = reason  # at once: nothing new is accepted meanwhile
         self.client._drop(self)
-        self.fail_all(LMPoolError(reason))
+        self._spawn(self.end(reason))
 
     # -- lifecycle ------------------------------------------------------------------------
     def fail_all(self, error: BaseException) -> None:
         for p in list(self.pending.values()):
             self._settle(p, error=error)
 
-    async def _teardown(self, reason: str) -> None:
-        """Forget everything (in this loop's last moments): cancel waiters, close clients."""
-        pending = self._end(reason)
-        self.client._drop(self)
-        for p in pending:
-            self._forget(p)
-            for fut in p.futures:
-                fut.cancel()
-        await self._release(pending)
-
     async def close(self, reason: str) -> None:
         """Fail what waits, stop the tasks, tidy Redis, close the clients (in this loop)."""
+        await self.end(reason)
+
+    async def end(self, reason: str, cancel: bool = False) -> None:
+        """The one ending of this state, whichever way it comes (a close, the loop ending, the
+        listener's death): nothing new is accepted, the waiters fail with ``reason`` (or are
+        cancelled, ``cancel``), the tasks stop, this loop's reply list leaves Redis and its
+        connections close. Runs once."""
         if self.closing:
             return
-        pending = self._end(reason)
-        self.fail_all(LMPoolError(reason))
-        tasks = [self.listener, self.keeper, *self.background]
+        self.closing = True
+        self.dead = reason
+        self.client._drop(self)
+        pending = list(self.pending.values())
+        if cancel:
+            for p in pending:
+                self._forget(p)
+                for fut in p.futures:
+                    fut.cancel()
+        else:
+            self.fail_all(LMPoolError(reason))
         current = asyncio.current_task()
+        tasks = [self.listener, self.keeper, *self.background]
         tasks = [t for t in tasks if t is not current and not t.done()]
         for task in tasks:
             task.cancel()
@@ -447,14 +456,8 @@ class LoopState:
             await asyncio.wait(tasks, timeout=5)
         await self._release(pending)
 
-    def _end(self, reason: str) -> list[Pending]:
-        """The start of both endings: no new requests from here on; what was pending."""
-        self.closing = True
-        self.dead = reason
-        return list(self.pending.values())
-
     async def _release(self, pending: list[Pending]) -> None:
-        """The last step of both endings: take this loop's reply list out of the waiter sets of
+        """The last step of the ending: take this loop's reply list out of the waiter sets of
         ``pending``, delete it, close its connections (best effort: Redis may be gone)."""
         c = self.client
         with contextlib.suppress(Exception):

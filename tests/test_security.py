@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Callable
 from typing import Any, cast
@@ -99,3 +100,44 @@ def test_readme_shows_the_acl_rules_the_tests_use() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert worker_rule("tenant_a-worker", "WORKER_PASSWORD", "tenant_a") in readme
     assert producer_rule("tenant_a-producer", "PRODUCER_PASSWORD", "tenant_a") in readme
+
+
+@pytest.mark.asyncio
+async def test_a_listener_killed_by_an_error_ends_its_state_as_a_close_does(
+    workers: Callable[..., Any],
+) -> None:
+    """A producer whose ACL user may not pop its replies (BLMPOP: NOPERM, not a transient
+    error) has its reply listener die: its requests fail with the reason, and its state ends
+    as a close ends it: the housekeeping task stops, its reply list leaves the waiter sets, and
+    its connections close; the next call starts a new state."""
+    rules = [
+        worker_rule("w", "pw"),
+        producer_rule("p", "pp") + " -blmpop",
+    ]
+    with RedisServer(password="admin", acl_lines=rules) as server:
+        w = workers(server.url_for("w", "pw"), backend="mock", mock_vocab_size=V, mock_delay_ms=300)
+        from shared.errors import LMPoolError
+        from shared.settings import Settings
+
+        admin = redis.Redis.from_url(server.url)
+
+        def producer_connections() -> int:
+            clients = cast("list[dict[str, Any]]", admin.client_list())
+            return sum(c["user"] == "p" for c in clients)
+
+        settings = Settings(redis_url=server.url_for("p", "pp"))
+        lm = await RemoteLM.connect(model=MODEL, settings=settings)
+        state = lm._client._state()
+        with pytest.raises(LMPoolError, match=r"reply listener stopped: NoPermissionError.*blmpop"):
+            await lm.batch_next_token_logprobs([[1, 2], [3]])
+        done, _ = await asyncio.wait([state.keeper, state.listener], timeout=10)
+        assert state.keeper in done and state.listener in done
+        assert state.closing and lm._client._state() is not state
+        assert await w.wait_counter("requests", 2) == 2  # the worker answers nobody
+        assert not admin.keys("lmpool:*:wait:*") and not admin.exists(state.reply_key)
+        await lm.close()
+        deadline = asyncio.get_running_loop().time() + 10
+        while producer_connections() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert producer_connections() == 0
+        admin.close()
