@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,6 +218,58 @@ class Worker(WorkerProcess):
 
     def stop(self, timeout_s: float = 20.0) -> None:
         super().stop(timeout_s)
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, out: Path, rate: int = 200) -> Iterator[None]:
+    """``py-spy record`` of process ``pid`` while the block runs (folded stacks in ``out``,
+    busy samples only: blocking waits do not count)."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    argv = [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate)]
+    spy = subprocess.Popen(
+        [*argv, "--output", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)  # attached before the block starts
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
+        try:
+            spy.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu_s(url: str) -> float:
+    """CPU seconds the Redis server at ``url`` has used so far (its main thread and others)."""
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        info: Any = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def folded_shares(path: Path, top: int, inclusive: bool = False) -> list[tuple[str, float]]:
+    """Frames of py-spy's folded stacks by share of samples: the leaf frame of each stack
+    (own time), or with ``inclusive`` every frame on it (time spent in it and below)."""
+    frames: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        names = stack.split(";")
+        for frame in set(names) if inclusive else names[-1:]:
+            frames[frame] += n
+    return [(frame, n / max(total, 1)) for frame, n in frames.most_common(top)]
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 20.0) -> None:

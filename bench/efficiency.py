@@ -2,7 +2,7 @@
 
 The bare engine is the fastest loop that does the same work in one process, with no pool:
 transformers with a KV cache, every row's full ``log_softmax`` copied out to the CPU, the
-particles' tokens drawn in one batched ``multinomial``. Two workload shapes:
+particles' tokens drawn by one batched inverse-CDF draw (``draw``). Two workload shapes:
 
 - **SMC**: N particles share a prompt; each step every particle needs the next-token row of
   its own prefix, one token longer than the last; every 4th step the particles are resampled
@@ -41,9 +41,10 @@ import redis
 import torch
 
 from shared.keys import Keys
-from shared.redis_server import RedisServer
 
 KEYS = Keys()
+VOCAB = 49_152
+"""SmolLM2's vocabulary (the tiny and default models): a row's size, for the cache's filler."""
 RESAMPLE_EVERY = 4
 
 
@@ -186,10 +187,13 @@ def kv_totals(url: str) -> dict[str, int]:
 async def pool_side(
     url: str, path: Path, args: argparse.Namespace, kv_cache_mb: int | None
 ) -> dict[str, Any]:
-    """One fresh worker (KV cache on unless ``kv_cache_mb == 0``) and the selected shapes."""
+    """One fresh worker (KV cache on unless ``kv_cache_mb == 0``) and the selected shapes, on
+    a Redis holding none of the pool's keys (the cache's filler stays)."""
     with redis.Redis.from_url(url) as r:
-        r.flushall()
+        for key in r.scan_iter(KEYS.everything_pattern(), count=1000):
+            r.unlink(key)
     settings: dict[str, Any] = {"kv_cache_mb": kv_cache_mb} if kv_cache_mb is not None else {}
+    settings.update(args.cache_settings)
     worker = benchkit.Worker(
         url,
         extra_env={"OMP_NUM_THREADS": str(args.threads)},
@@ -209,7 +213,9 @@ async def pool_side(
         try:
             await pool_smc(lm, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)
             if "smc" in args.shapes:
-                out["smc"] = await pool_smc(lm, args, args.seed)
+                out["smc"], out["cpu"] = await profiled(
+                    worker, url, args, pool_smc(lm, args, args.seed)
+                )
             if "genlm" in args.shapes:
                 out["genlm"] = await pool_genlm(lm, args)
         finally:
@@ -219,6 +225,41 @@ async def pool_side(
     finally:
         worker.stop()
     return out
+
+
+async def profiled(
+    worker: benchkit.Worker, url: str, args: argparse.Namespace, run: Any
+) -> tuple[Any, dict[str, float]]:
+    """``await run`` and the CPU seconds that the producer (this process), the worker and
+    Redis used meanwhile; with ``--profile``, the worker sampled by py-spy too (printed after
+    the run: where its busy time went, by frame, own and inclusive)."""
+    assert worker.proc is not None
+    pid = worker.proc.pid
+    with redis.Redis.from_url(url) as r:
+        r.config_resetstat()
+    before = (time.process_time(), benchkit.process_cpu_s(pid), benchkit.redis_cpu_s(url))
+    if args.profile:
+        out = Path(tempfile.mkdtemp(prefix="lmpool-efficiency-")) / "worker.pyspy.txt"
+        with benchkit.py_spy(pid, out):
+            result = await run
+        args.profiles.append(out)
+    else:
+        result = await run
+    after = (time.process_time(), benchkit.process_cpu_s(pid), benchkit.redis_cpu_s(url))
+    names = ("producer", "worker", "redis")
+    with redis.Redis.from_url(url) as r:
+        stats: Any = r.info("commandstats")
+    commands = {k.removeprefix("cmdstat_"): float(v["usec"]) / 1e6 for k, v in stats.items()}
+    args.commandstats.append(commands)
+    return result, {n: b - a for n, a, b in zip(names, before, after, strict=True)}
+
+
+def print_profile(path: Path, report: benchkit.Report, top: int = 30) -> None:
+    for inclusive in (False, True):
+        what = "inclusive (the frame and below)" if inclusive else "own time (leaf frames)"
+        report.line(f"## worker, py-spy, share of busy samples: {what}; raw: {path}")
+        for frame, share in benchkit.folded_shares(path, top, inclusive):
+            report.line(f"{100 * share:>6.1f}%  {frame}")
 
 
 def rate(rows_seconds: tuple[int, float]) -> float:
@@ -245,7 +286,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         model = load_model(path, args.device, args.dtype)
         bare_smc(model, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)  # warm-up
         bare: dict[str, tuple[int, float]] = {}
-        with RedisServer() as server:
+        with benchkit.cache_redis(args, report, 4 * VOCAB) as (server, args.cache_settings):
             # bare and pool alternate, so that a slow spell of the machine hits both
             pools: list[dict[str, Any]] = []
             offs: list[dict[str, Any]] = []
@@ -266,6 +307,8 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     def total(sides: list[dict[str, Any]], shape: str) -> tuple[int, float]:
         return (sum(p[shape][0] for p in sides), sum(p[shape][1] for p in sides))
 
+    for path in args.profiles:
+        print_profile(path, report)
     p = f"{args.particles} particles, {args.prompt_tokens}-token prompt, {args.steps} steps"
     if "smc" in args.shapes:
         b, pl = rate(bare["smc"]), rate(total(pools, "smc"))
@@ -275,6 +318,18 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             f"SMC ({p}, x{args.rounds}): bare {b:.1f} rows/s, pool (KV on) {pl:.1f} rows/s = "
             f"{pl / b:.2f}x bare (target >= 0.5x); KV hit rate {hit:.3f}, "
             f"forward passes {kv.get('forward_passes', 0)}"
+        )
+        steps = args.steps * args.rounds
+        cpu = {n: sum(p["cpu"][n] for p in pools) for n in pools[0]["cpu"]}
+        report.line(
+            f"   per step, wall {1000 * total(pools, 'smc')[1] / steps:.1f} ms (bare "
+            f"{1000 * bare['smc'][1] / steps:.1f}); CPU: "
+            + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items())
+        )
+        top = sorted(args.commandstats[-1].items(), key=lambda kv: -kv[1])[:6]
+        report.line(
+            "   Redis commands' own time per step (last round): "
+            + ", ".join(f"{n} {1000 * t / args.steps:.2f} ms" for n, t in top)
         )
         if offs:
             off = rate(total(offs, "smc"))
@@ -307,8 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"
+    )
+    benchkit.cache_args(parser)
     benchkit.output_args(parser)
-    return benchkit.run_reported(run, parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.profiles = []
+    args.commandstats = []
+    return benchkit.run_reported(run, args)
 
 
 if __name__ == "__main__":

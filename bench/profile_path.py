@@ -13,7 +13,6 @@ Writes the raw py-spy output next to ``--out`` when given. Used for docs/perform
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import os
@@ -30,18 +29,6 @@ import benchkit
 import redis
 from benchkit import Report, closed_loop
 from reply_paths import VOCAB, lmpool_call
-
-
-def folded_top(path: Path, top: int) -> list[tuple[str, float]]:
-    """Leaf frames of py-spy's folded stacks by share of samples."""
-    leaves: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        n = int(count)
-        total += n
-        leaves[stack.split(";")[-1]] += n
-    return [(frame, n / max(total, 1)) for frame, n in leaves.most_common(top)]
 
 
 def commandstats(r: redis.Redis) -> dict[str, tuple[int, float]]:
@@ -107,7 +94,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
         report.line(f"{1e6 * tottime / n:>8.1f} us/req {ncalls / n:>7.2f} calls/req  {where}")
     report.line("\n## worker: py-spy, share of busy samples by leaf frame")
     if spy_out.exists():
-        for frame, share in folded_top(spy_out, args.top):
+        for frame, share in benchkit.folded_shares(spy_out, args.top):
             report.line(f"{100 * share:>6.1f}%  {frame}")
     else:
         report.line("(py-spy produced no output: is ptrace allowed?)")

@@ -76,6 +76,9 @@ class LoopState:
         whole_here = self.submitter.whole_ok and resp_supported(s.redis_url)
         self.whole_conn = RespConnection(s.redis_url) if whole_here else None
         """The connection whole requests go by (TLS: ``listen_redis``'s, redis-py's)."""
+        self.fetch_conn = RespConnection(s.redis_url) if whole_here else None
+        """Where results are read on a single Redis (``shared.resp``: each row received into
+        a buffer of its own, which becomes the caller's tensor); else ``redis``."""
         self.listener = loop.create_task(self._listen(), name="lmpool-listener")
         self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
         self.listener.add_done_callback(self._listener_done)
@@ -307,13 +310,7 @@ class LoopState:
             return
         keys = [c.keys.result(c.model, p.prepared.shard, p.prepared.digest) for p in wanted]
         try:
-            if len(keys) == 1:
-                values = [await self.redis.get(keys[0])]
-            else:
-                pipe = self.redis.pipeline(transaction=False)
-                for key in keys:
-                    pipe.get(key)
-                values = await pipe.execute()
+            values = await self._get(keys)
         except TRANSIENT:
             for p in wanted:
                 self._enqueue(p)
@@ -325,6 +322,21 @@ class LoopState:
                 self._enqueue(p, force=True)  # evicted, or lost in a failover: compute again
             else:
                 self._settle(p, value)
+
+    async def _get(self, keys: list[str]) -> list[Any]:
+        if self.fetch_conn is not None:
+            commands = [("GET", key) for key in keys]
+            values = await self.fetch_conn.execute(commands, LISTEN_BLOCK_S + 10)
+            for value in values:
+                if isinstance(value, Exception):
+                    raise value
+            return values
+        if len(keys) == 1:
+            return [await self.redis.get(keys[0])]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return list(await pipe.execute())
 
     async def _housekeep(self) -> None:
         """Time out what passed its deadline; re-submit what has waited ``resend_s`` (a no-op
@@ -470,9 +482,10 @@ class LoopState:
         for client in (self.redis, self.listen_redis):
             with contextlib.suppress(Exception):
                 await client.aclose()
-        if self.whole_conn is not None:
-            with contextlib.suppress(Exception):
-                await self.whole_conn.aclose()
+        for conn in (self.whole_conn, self.fetch_conn):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.aclose()
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> bool:

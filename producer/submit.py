@@ -150,19 +150,26 @@ class SyncState:
         else:
             again = self._submit(list(wanted.values()), timeout_s, results)
         waiting = set(wanted) - set(results)
+        sent_at = time.monotonic()
         while waiting:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 state = c.queue_state_sync(self.redis)
                 raise RequestTimeout(
                     f"no answer from model {c.model!r} within {timeout_s:g}s ({state})"
                 )
+            if now - sent_at >= c.settings.resend_s:
+                # as the async path's housekeeping does: a reply list, waiter set or stream
+                # entry lost (evicted by a full Redis, a failover) is asked for again
+                again = [wanted[d] for d in waiting]
             if again:  # gone from the cache before it was read (evicted): compute it again
                 again = self._submit(again, left, results, force=True)
                 waiting = set(wanted) - set(results)
+                sent_at = time.monotonic()
                 continue
             popped = self.redis.blmpop(
-                min(left, LISTEN_BLOCK_S),
+                min(left, LISTEN_BLOCK_S, max(c.settings.resend_s, 0.01)),
                 1,
                 self.submitter.reply_key,
                 direction="LEFT",

@@ -108,6 +108,10 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return self._k("worker", worker_id)
 
+    def everything_pattern(self) -> str:
+        """SCAN pattern of every key of this prefix (clearing one pool off a shared server)."""
+        return self._k("*")
+
     def worker_pattern(self) -> str:
         """SCAN pattern of every worker's description hash."""
         return self._k("worker", "*")

@@ -334,22 +334,24 @@ class Evictor(threading.Thread):
     """Deletes every result the moment it is first written (as Redis evicts under
     ``maxmemory``), from keyspace notifications."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, keys: str = "res", event: bytes = b"set") -> None:
         super().__init__(daemon=True)
         self.r = redis.Redis.from_url(url)
-        self.r.config_set("notify-keyspace-events", "K$")
+        self.r.config_set("notify-keyspace-events", "K$s")
         self.sub = self.r.pubsub()
+        self.keys, self.event = keys, event
         self.deleted: set[bytes] = set()
         self.done = threading.Event()
 
     def start(self) -> None:
-        self.sub.psubscribe("__keyspace@0__:lmpool:*:res:*")  # results written from now on
+        # keys of that kind (results by default) written from now on
+        self.sub.psubscribe(f"__keyspace@0__:lmpool:*:{self.keys}:*")
         super().start()
 
     def run(self) -> None:
         while not self.done.is_set():
             m = self.sub.get_message(timeout=0.1)
-            if m and m["type"] == "pmessage" and m["data"] == b"set":
+            if m and m["type"] == "pmessage" and m["data"] == self.event:
                 key = m["channel"].split(b":", 1)[1]
                 if key not in self.deleted:
                     self.deleted.add(key)
@@ -405,6 +407,39 @@ async def test_results_evicted_before_they_are_read_are_computed_again(
             assert torch.equal(row, backend.logprobs([p], None)[0])
         assert len(evictor.deleted) == 32
         assert await w.wait_counter("computed", 65) == 65
+
+
+@pytest.mark.asyncio
+async def test_a_blocking_call_whose_waiter_sets_are_evicted_asks_again(
+    workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each request's waiter set vanishes as it is made (evicted by a full Redis): the worker
+    then answers nobody, and a blocking caller, as an async one, submits again after
+    ``LMPOOL_RESEND_S`` and gets every right row (it waited until its timeout before)."""
+    monkeypatch.setenv("LMPOOL_RESEND_S", "0.5")
+    vocab = 2000
+    with RedisServer() as server:
+        w = workers(server.url, backend="mock", mock_vocab_size=vocab, mock_delay_ms=100)
+        evictor = Evictor(server.url, keys="wait", event=b"sadd")
+        try:
+            async with await RemoteLM.connect(
+                server.url, model=f"mock-{vocab}", timeout_s=30
+            ) as lm:
+                await lm.next_token_logprobs([1, 10])  # scripts loaded, nothing evicted
+                evictor.start()
+                prompts = [[i, 15] for i in range(4)]
+                started = time.monotonic()
+                rows = await asyncio.to_thread(lm.batch_next_token_logprobs_sync, prompts)
+                elapsed = time.monotonic() - started
+        finally:
+            evictor.stop()
+        backend = MockBackend(vocab)
+        for p, row in zip(prompts, rows, strict=True):
+            assert torch.equal(row, backend.logprobs([p], None)[0])
+        assert len(evictor.deleted) == 4  # every waiter set, once
+        assert elapsed < 10
+        # each computed once: the second submission finds its result in the cache
+        assert await w.wait_counter("computed", 5) == 5
 
 
 @pytest.mark.asyncio

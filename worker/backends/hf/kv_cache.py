@@ -253,16 +253,19 @@ class KVCache(KVTrie):
         logits, ``[len(plans), vocab]``."""
         lay = self.layout
         rows, past, width = len(plans), max(p.cached for p in plans), max(p.new for p in plans)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, past + width), dtype=torch.long)
-        positions = torch.empty((rows, width), dtype=torch.long)
+        # Built for all rows at once (a loop over rows cost ~20 us a row, 1.3 ms of an SMC
+        # step of 64 particles): each row's new tokens left-aligned, then padding.
+        cached = torch.tensor([p.cached for p in plans])
+        news = torch.tensor([p.new for p in plans])
         steps = torch.arange(width)
-        for i, p in enumerate(plans):
-            ids[i, : p.new] = torch.tensor(p.row[p.cached :])
-            mask[i, : p.cached] = 1
-            mask[i, past : past + p.new] = 1
-            # Padding after a row's tokens repeats its last position (never attended to).
-            positions[i] = (steps + p.cached).clamp(max=len(p.row) - 1)
+        fresh = steps < news[:, None]
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        ids[fresh] = torch.tensor([t for p in plans for t in p.row[p.cached :]])
+        span = torch.arange(past + width)
+        seen = (span < cached[:, None]) | ((span >= past) & (span < past + news[:, None]))
+        mask = seen.long()
+        # Padding after a row's tokens repeats its last position (never attended to).
+        positions = torch.minimum(steps + cached[:, None], (cached + news - 1)[:, None])
         # One buffer per side holds the gathered pasts and receives the new positions in place
         # (a plain DynamicLayer would concatenate, copying every past a second time); the new
         # positions are all written by the forward pass.
