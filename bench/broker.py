@@ -25,7 +25,7 @@ from typing import Any
 
 import benchkit
 from benchkit import Report, closed_loop
-from overhead import cpu_seconds
+from benchkit import process_cpu_s as cpu_seconds
 from reply_paths import lmpool_call
 
 from shared.redis_cluster import RedisCluster

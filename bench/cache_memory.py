@@ -26,7 +26,7 @@ from typing import Any
 import benchkit
 import redis
 from benchkit import Report
-from overhead import cpu_seconds
+from benchkit import process_cpu_s as cpu_seconds
 from reply_paths import VOCAB
 
 from shared.keys import Keys

@@ -194,6 +194,8 @@ async def pool_side(
             r.unlink(key)
     settings: dict[str, Any] = {"kv_cache_mb": kv_cache_mb} if kv_cache_mb is not None else {}
     settings.update(args.cache_settings)
+    if args.wire_dtype != "float32":  # the default: not naming it lets this script run older code
+        settings["wire_dtype"] = args.wire_dtype
     worker = benchkit.Worker(
         url,
         extra_env={"OMP_NUM_THREADS": str(args.threads)},
@@ -281,7 +283,8 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         report.line(
             f"# model {args.model} ({path.name}), {args.dtype} on {args.device}"
             f"{benchkit.device_name(args.device)}, torch {torch.__version__}, "
-            f"{args.threads} torch thread(s) each side; pool backend {args.backend}"
+            f"{args.threads} torch thread(s) each side; pool backend {args.backend}, "
+            f"rows on the wire in {args.wire_dtype}"
         )
         model = load_model(path, args.device, args.dtype)
         bare_smc(model, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)  # warm-up
@@ -362,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--wire-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="the pool's LMPOOL_WIRE_DTYPE",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"
     )

@@ -40,15 +40,6 @@ import benchkit
 from benchkit import Cell, Report, closed_loop
 from reply_paths import VOCAB, PathClient, lmpool_call, wait_flag
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
 
 @dataclass
 class Measured:
@@ -69,9 +60,9 @@ async def measure(
 
     async def sample_cpu() -> None:
         await asyncio.sleep(warm_s)
-        marks.append({k: cpu_seconds(p) for k, p in pids.items()})
+        marks.append({k: benchkit.process_cpu_s(p) for k, p in pids.items()})
         await asyncio.sleep(run_s)
-        marks.append({k: cpu_seconds(p) for k, p in pids.items()})
+        marks.append({k: benchkit.process_cpu_s(p) for k, p in pids.items()})
 
     sampler = asyncio.create_task(sample_cpu())
     cell = await closed_loop(call, in_flight, warm_s, run_s)
