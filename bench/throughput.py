@@ -28,6 +28,7 @@ import redis
 import torch
 from benchkit import Report
 
+from shared.keys import Keys
 from shared.redis_server import RedisServer
 from shared.settings import Settings
 
@@ -111,7 +112,7 @@ def worker_counters(url: str, requests: int, timeout_s: float = 5.0) -> dict[str
         deadline = time.monotonic() + timeout_s
         found: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            for key in r.scan_iter("lmpool:worker:*"):
+            for key in r.scan_iter(Keys().worker_pattern()):
                 raw: Any = r.hgetall(key)
                 found = {k.decode(): json.loads(v) for k, v in raw.items()}
             if int(found.get("requests", 0)) >= requests:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +19,9 @@ from typing import Any
 from producer.background import KEEP
 from producer.loop import LoopState
 from producer.submit import Prepared, SyncState
-from shared import registry
+from producer.target import Target
 from shared.errors import LMPoolError
-from shared.keys import GROUP, Keys
+from shared.keys import Keys
 from shared.redis_conn import AnyRedis
 from shared.settings import Settings
 
@@ -35,13 +34,8 @@ class PoolClient:
     def __init__(
         self, settings: Settings, model: str, priority: str = "high", clock_offset_ms: float = 0.0
     ) -> None:
-        self.settings = settings
-        self.model = model
-        self.priority = priority
-        self.keys = Keys(settings.key_prefix)
-        self.client_id = uuid.uuid4().hex
-        self.clock_offset_ms = clock_offset_ms
-        """Redis server time minus this host's time, measured at connect."""
+        self.target = Target(settings, model, priority, uuid.uuid4().hex, clock_offset_ms)
+        """What each loop's and thread's state knows of the pool (never this client)."""
         self._lock = threading.Lock()
         self._loops: dict[asyncio.AbstractEventLoop, LoopState] = {}
         self._threads = threading.local()
@@ -49,11 +43,24 @@ class PoolClient:
         self._count = 0
         self._closed = False
 
-    def redis_now_ms(self) -> float:
-        return time.time() * 1000 + self.clock_offset_ms
+    @property
+    def settings(self) -> Settings:
+        return self.target.settings
 
-    def stream_of(self, shard: int) -> str:
-        return self.keys.stream(self.model, self.priority, shard)
+    @property
+    def model(self) -> str:
+        return self.target.model
+
+    @property
+    def keys(self) -> Keys:
+        return self.target.keys
+
+    @property
+    def client_id(self) -> str:
+        return self.target.client_id
+
+    def redis_now_ms(self) -> float:
+        return self.target.redis_now_ms()
 
     @property
     def closed(self) -> bool:
@@ -71,7 +78,7 @@ class PoolClient:
                     del self._loops[old]
             if state is None or state.dead is not None:
                 self._count += 1
-                state = LoopState(self, loop, self._count)
+                state = LoopState(self.target, loop, self._count, self._drop)
                 self._loops[loop] = state
             return state
 
@@ -85,7 +92,7 @@ class PoolClient:
             raise LMPoolError("this RemoteLM is closed")
         state: SyncState | None = getattr(self._threads, "state", None)
         if state is None:
-            state = self._threads.state = SyncState(self)
+            state = self._threads.state = SyncState(self.target)
             with self._lock:
                 self._sync_states.append(state)
         return state
@@ -115,47 +122,7 @@ class PoolClient:
     # -- diagnostics ----------------------------------------------------------------------
     async def queue_state(self, redis: AnyRedis) -> str:
         """One line on the model's queue for error messages (``RequestTimeout``)."""
-        try:
-            pipe = redis.pipeline(transaction=False)
-            self._ask_queue_state(pipe)
-            return self._queue_state_line(await pipe.execute(raise_on_error=False))
-        except Exception as e:
-            return f"queue state unavailable: {e!r}"
-
-    def queue_state_sync(self, redis: Any) -> str:
-        """:meth:`queue_state` with a synchronous client (the blocking path's)."""
-        try:
-            pipe = redis.pipeline(transaction=False)
-            self._ask_queue_state(pipe)
-            return self._queue_state_line(pipe.execute(raise_on_error=False))
-        except Exception as e:
-            return f"queue state unavailable: {e!r}"
-
-    def _ask_queue_state(self, pipe: Any) -> None:
-        """Queue what :meth:`_queue_state_line` reads: live workers, then each stream's length
-        and pending count."""
-        pipe.zrangebyscore(self.keys.workers(self.model), registry.now_ms(), "+inf")
-        for stream in self.keys.streams(self.model, self.settings.shards):
-            pipe.xlen(stream)
-            pipe.xpending(stream, GROUP)
-
-    def _queue_state_line(self, answers: list[Any]) -> str:
-        if isinstance(answers[0], Exception):
-            raise answers[0]
-        totals = {"interactive": [0, 0], "offline": [0, 0]}
-        streams = self.keys.streams(self.model, self.settings.shards)
-        for i, stream in enumerate(streams):
-            length, pending = answers[1 + 2 * i], answers[2 + 2 * i]
-            if isinstance(length, Exception):
-                raise length
-            kind = "offline" if self.keys.parse_stream(stream).offline else "interactive"
-            totals[kind][0] += int(length)
-            if not isinstance(pending, Exception):  # no group yet: nothing pending
-                totals[kind][1] += int(pending["pending"])
-        return ", ".join(
-            [f"{len(answers[0])} live worker(s)"]
-            + [f"{k} queue {n} ({p} pending)" for k, (n, p) in totals.items()]
-        )
+        return await self.target.queue_state(redis)
 
     async def clear_results(self) -> int:
         """UNLINK every cached result of this model, in batches."""
@@ -202,9 +169,9 @@ class PoolClient:
             syncs, self._sync_states = self._sync_states, []
         for state in states:
             if state.loop is current:
-                await state.close(reason)
+                await state.end(reason)
             elif state.loop.is_running():
-                fut = asyncio.run_coroutine_threadsafe(state.close(reason), state.loop)
+                fut = asyncio.run_coroutine_threadsafe(state.end(reason), state.loop)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.wrap_future(fut), 10)
         for sync in syncs:
@@ -229,7 +196,7 @@ class PoolClient:
             syncs, self._sync_states = self._sync_states, []
         for state in states:
             if state.loop.is_running():
-                fut = asyncio.run_coroutine_threadsafe(state.close(reason), state.loop)
+                fut = asyncio.run_coroutine_threadsafe(state.end(reason), state.loop)
                 with contextlib.suppress(Exception):
                     fut.result(10)
         for sync in syncs:

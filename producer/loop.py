@@ -15,20 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from producer.connections import LoopConnections
 from producer.submit import LISTEN_BLOCK_S, REPLIES_PER_POP, Prepared, Submitter
+from producer.target import Target
 from shared import protocol
 from shared.aio import wait_event
 from shared.errors import Expired, LMPoolError, ProtocolError, RequestTimeout
-from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis
-from shared.resp import RespConnection
-from shared.resp import supported as resp_supported
-from shared.scripts import SUBMIT_SCRIPT, execute, run_script
-
-if TYPE_CHECKING:
-    from producer.client import PoolClient
+from shared.redis_conn import TRANSIENT, Backoff
 
 log = logging.getLogger("lmpool.producer")
 HOUSEKEEPING_S = 0.1
@@ -52,13 +49,21 @@ class Pending:
 class LoopState:
     """Everything one event loop needs: created in that loop, used only from it."""
 
-    def __init__(self, client: PoolClient, loop: asyncio.AbstractEventLoop, index: int) -> None:
-        self.client = client
+    def __init__(
+        self,
+        target: Target,
+        loop: asyncio.AbstractEventLoop,
+        index: int,
+        on_end: Callable[[LoopState], None],
+    ) -> None:
+        self.target = target
+        self.on_end = on_end
+        """Called once this state can serve no more (its owner then forgets it)."""
         self.loop = loop
-        s = client.settings
-        self.redis: AnyRedis = connect_redis(s.redis_url)
-        self.listen_redis: AnyRedis = connect_redis(s.redis_url, socket_timeout=LISTEN_BLOCK_S + 10)
-        self.submitter = Submitter(client, client.keys.reply(f"{client.client_id}-{index}"))
+        s = target.settings
+        self.submitter = Submitter(target, target.keys.reply(f"{target.client_id}-{index}"))
+        self.conns = LoopConnections(s.redis_url, self.submitter.whole_ok)
+        self.redis = self.conns.redis
         self.pending: dict[str, Pending] = {}
         self.queue: list[Pending] = []
         self.flush_scheduled = False
@@ -73,12 +78,6 @@ class LoopState:
         """The listener is popping replies (or about to): a lone request goes the usual way."""
         self.whole: Pending | None = None
         """The request now sent whole (SUBMIT, pop and GET in one round trip), if any."""
-        whole_here = self.submitter.whole_ok and resp_supported(s.redis_url)
-        self.whole_conn = RespConnection(s.redis_url) if whole_here else None
-        """The connection whole requests go by (TLS: ``listen_redis``'s, redis-py's)."""
-        self.fetch_conn = RespConnection(s.redis_url) if whole_here else None
-        """Where results are read on a single Redis (``shared.resp``: each row received into
-        a buffer of its own, which becomes the caller's tensor); else ``redis``."""
         self.listener = loop.create_task(self._listen(), name="lmpool-listener")
         self.keeper = loop.create_task(self._housekeep(), name="lmpool-resend")
         self.listener.add_done_callback(self._listener_done)
@@ -128,16 +127,16 @@ class LoopState:
         self._spawn(self._time_out(p))
 
     async def _time_out(self, p: Pending) -> None:
-        state = await self.client.queue_state(self.redis)
+        state = await self.target.queue_state(self.redis)
         error = RequestTimeout(
-            f"no answer from model {self.client.model!r} within {p.timeout_s:g}s ({state})"
+            f"no answer from model {self.target.model!r} within {p.timeout_s:g}s ({state})"
         )
         self._settle(p, error=error)
         await self._leave(p.prepared)
 
     async def _leave(self, prepared: Prepared) -> None:
         """Stop waiting for a digest: workers skip it when nobody else waits."""
-        c = self.client
+        c = self.target
         with contextlib.suppress(Exception):
             key = c.keys.waiters(c.model, prepared.shard, prepared.digest)
             await self.redis.srem(key, self.reply_key)  # type: ignore[misc]
@@ -178,7 +177,7 @@ class LoopState:
             self._spawn(self._flush())
 
     def _deadline_ms(self, p: Pending) -> int:
-        return int(self.client.redis_now_ms() + 1000 * (p.deadline - self.loop.time()))
+        return int(self.target.redis_now_ms() + 1000 * (p.deadline - self.loop.time()))
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let every request of this tick join the pipeline
@@ -202,16 +201,7 @@ class LoopState:
             p.force = False
         calls = self.submitter.calls(items)
         try:
-            if len(calls) == 1:  # the usual case: no pipeline object needed
-                _, keys, args = calls[0]
-                answers = [await run_script(self.redis, SUBMIT_SCRIPT, keys, args)]
-            else:
-
-                def build(pipe: Any) -> None:
-                    for _, keys, args in calls:
-                        SUBMIT_SCRIPT.queue(pipe, keys, args)
-
-                answers = await execute(self.redis, build, [SUBMIT_SCRIPT], raise_on_error=False)
+            answers = await Submitter.run(self.redis, calls)
         except TRANSIENT as e:
             await self._unreachable(batch, e)
             return
@@ -271,13 +261,7 @@ class LoopState:
             p.prepared, self._deadline_ms(p), force, LISTEN_BLOCK_S
         )
         try:
-            if self.whole_conn is not None:
-                answers = await self.whole_conn.execute(commands, LISTEN_BLOCK_S + 10)
-            else:
-                pipe = self.listen_redis.pipeline(transaction=False)
-                for command in commands:
-                    pipe.execute_command(*command)
-                answers = await pipe.execute(raise_on_error=False)
+            answers = await self.conns.run_whole(commands)
         except TRANSIENT as e:
             self.whole = None
             await self._unreachable([p], e, force)
@@ -304,13 +288,13 @@ class LoopState:
     async def _fetch(self, digests: list[str]) -> None:
         """Read the results of ``digests`` from the cache and hand them over; one that is gone
         (evicted or expired since) is submitted again."""
-        c = self.client
+        c = self.target
         wanted = [self.pending[d] for d in digests if d in self.pending]
         if not wanted:
             return
         keys = [c.keys.result(c.model, p.prepared.shard, p.prepared.digest) for p in wanted]
         try:
-            values = await self._get(keys)
+            values = await self.conns.get(keys)
         except TRANSIENT:
             for p in wanted:
                 self._enqueue(p)
@@ -323,25 +307,10 @@ class LoopState:
             else:
                 self._settle(p, value)
 
-    async def _get(self, keys: list[str]) -> list[Any]:
-        if self.fetch_conn is not None:
-            commands = [("GET", key) for key in keys]
-            values = await self.fetch_conn.execute(commands, LISTEN_BLOCK_S + 10)
-            for value in values:
-                if isinstance(value, Exception):
-                    raise value
-            return values
-        if len(keys) == 1:
-            return [await self.redis.get(keys[0])]
-        pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        return list(await pipe.execute())
-
     async def _housekeep(self) -> None:
         """Time out what passed its deadline; re-submit what has waited ``resend_s`` (a no-op
         unless Redis lost the message)."""
-        resend_s = self.client.settings.resend_s
+        resend_s = self.target.settings.resend_s
         while not self.closing:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = self.loop.time()
@@ -369,7 +338,7 @@ class LoopState:
                     continue
                 self.listening = True
                 try:
-                    popped = await self.listen_redis.blmpop(  # type: ignore[misc]
+                    popped = await self.conns.listen.blmpop(  # type: ignore[misc]
                         LISTEN_BLOCK_S,
                         1,
                         self.reply_key,  # type: ignore[arg-type]
@@ -429,17 +398,13 @@ class LoopState:
         reason = f"the reply listener stopped: {task.exception()!r}"
         log.error("%s; failing this loop's requests", reason)
         self.dead = reason  # at once: nothing new is accepted meanwhile
-        self.client._drop(self)
+        self.on_end(self)
         self._spawn(self.end(reason))
 
     # -- lifecycle ------------------------------------------------------------------------
     def fail_all(self, error: BaseException) -> None:
         for p in list(self.pending.values()):
             self._settle(p, error=error)
-
-    async def close(self, reason: str) -> None:
-        """Fail what waits, stop the tasks, tidy Redis, close the clients (in this loop)."""
-        await self.end(reason)
 
     async def end(self, reason: str, cancel: bool = False) -> None:
         """The one ending of this state, whichever way it comes (a close, the loop ending, the
@@ -450,7 +415,7 @@ class LoopState:
             return
         self.closing = True
         self.dead = reason
-        self.client._drop(self)
+        self.on_end(self)
         pending = list(self.pending.values())
         if cancel:
             for p in pending:
@@ -471,21 +436,10 @@ class LoopState:
     async def _release(self, pending: list[Pending]) -> None:
         """The last step of the ending: take this loop's reply list out of the waiter sets of
         ``pending``, delete it, close its connections (best effort: Redis may be gone)."""
-        c = self.client
-        with contextlib.suppress(Exception):
-            pipe = self.redis.pipeline(transaction=False)
-            for p in pending:
-                waiters = c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest)
-                pipe.srem(waiters, self.reply_key)
-            pipe.delete(self.reply_key)
-            await pipe.execute()
-        for client in (self.redis, self.listen_redis):
-            with contextlib.suppress(Exception):
-                await client.aclose()
-        for conn in (self.whole_conn, self.fetch_conn):
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    await conn.aclose()
+        c = self.target
+        waiting = [c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest) for p in pending]
+        await self.conns.leave(waiting, self.reply_key)
+        await self.conns.aclose()
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> bool:

@@ -12,17 +12,15 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from producer.target import Target
 from shared import protocol
 from shared.errors import Expired, LMPoolError, QueueFull, RequestTimeout
-from shared.redis_conn import connect_redis_sync, is_cluster
-from shared.scripts import SUBMIT_SCRIPT
-
-if TYPE_CHECKING:
-    from producer.client import PoolClient
+from shared.redis_conn import AnyRedis, connect_redis_sync, is_cluster
+from shared.scripts import SUBMIT_SCRIPT, execute, run_script
 
 LISTEN_BLOCK_S = 1.0
 """Longest blocking pop of replies (also how soon a closed listener notices)."""
@@ -47,10 +45,10 @@ class Prepared:
 class Submitter:
     """What the async and blocking paths share: the SUBMIT calls and reading their answers."""
 
-    def __init__(self, client: PoolClient, reply_key: str) -> None:
-        self.client = client
+    def __init__(self, target: Target, reply_key: str) -> None:
+        self.target = target
         self.reply_key = reply_key
-        self.whole_ok = not is_cluster(client.settings.redis_url)
+        self.whole_ok = not is_cluster(target.settings.redis_url)
         """Whether :meth:`whole_commands` may be used: a cluster refuses SUBMIT's push to the
         reply list (a key of another slot)."""
 
@@ -60,7 +58,7 @@ class Submitter:
         """One SUBMIT call per shard for ``(prepared, deadline_ms, force)`` items:
         ``(requests, keys, args)``; ``marker`` goes onto the reply list when a request was
         neither queued nor joined (see :meth:`whole_commands`)."""
-        c = self.client
+        c = self.target
         s = c.settings
         ttl_ms = int(s.timeout_s * 1000) + 5_000
         groups: dict[int, list[tuple[Prepared, int, bool]]] = defaultdict(list)
@@ -78,7 +76,7 @@ class Submitter:
 
     def queue_full(self) -> QueueFull:
         """The error of a request SUBMIT refused: the model's queue is at its limit."""
-        c = self.client
+        c = self.target
         return QueueFull(
             f"queue of model {c.model!r} holds LMPOOL_MAX_QUEUE={c.settings.max_queue} "
             "requests; retry later"
@@ -97,7 +95,7 @@ class Submitter:
         full), so that the pop never waits for a reply that will not come; EVAL, not EVALSHA,
         for the same reason: a NOSCRIPT would leave the pop waiting. :meth:`whole_outcome`
         reads the three answers."""
-        c = self.client
+        c = self.target
         marker = protocol.encode_reply(prepared.digest)
         ((_, keys, args),) = self.calls([(prepared, deadline_ms, force)], marker)
         return [
@@ -117,6 +115,21 @@ class Submitter:
         return outcome, replies, value if isinstance(value, (bytes, bytearray)) else None
 
     @staticmethod
+    async def run(
+        redis: AnyRedis, calls: list[tuple[list[Prepared], list[str], list[Any]]]
+    ) -> list[Any]:
+        """Run SUBMIT ``calls`` (of :meth:`calls`); one answer (or error) per call."""
+        if len(calls) == 1:  # the usual case: no pipeline object needed
+            _, keys, args = calls[0]
+            return [await run_script(redis, SUBMIT_SCRIPT, keys, args)]
+
+        def build(pipe: Any) -> None:
+            for _, keys, args in calls:
+                SUBMIT_SCRIPT.queue(pipe, keys, args)
+
+        return list(await execute(redis, build, [SUBMIT_SCRIPT], raise_on_error=False))
+
+    @staticmethod
     def outcomes(
         calls: list[tuple[list[Prepared], list[str], list[Any]]], answers: list[Any]
     ) -> Iterable[tuple[Prepared, Any]]:
@@ -133,15 +146,15 @@ class Submitter:
 class SyncState:
     """Blocking requests for one thread: its own synchronous client and reply list."""
 
-    def __init__(self, client: PoolClient) -> None:
-        self.client = client
-        self.redis = connect_redis_sync(client.settings.redis_url)
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.redis = connect_redis_sync(target.settings.redis_url)
         self.submitter = Submitter(
-            client, client.keys.reply(f"{client.client_id}-t{uuid.uuid4().hex[:8]}")
+            target, target.keys.reply(f"{target.client_id}-t{uuid.uuid4().hex[:8]}")
         )
 
     def request_many(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
-        c = self.client
+        c = self.target
         deadline = time.monotonic() + timeout_s
         wanted = {p.digest: p for p in items}
         results: dict[str, bytes] = {}
@@ -204,7 +217,7 @@ class SyncState:
     ) -> list[Prepared]:
         """One request in one round trip (``Submitter.whole_commands``): into ``results`` when
         answered within the pop's block; returns it when it is to be submitted again."""
-        c = self.client
+        c = self.target
         deadline_ms = int(c.redis_now_ms() + 1000 * timeout_s)
         pipe = self.redis.pipeline(transaction=False)
         block_s = min(timeout_s, LISTEN_BLOCK_S)
@@ -226,7 +239,7 @@ class SyncState:
     ) -> list[Prepared]:
         """Submit ``items``; results already cached go straight into ``results``. Returns those
         whose result was gone by the time it was read (to submit again)."""
-        c = self.client
+        c = self.target
         deadline_ms = int(c.redis_now_ms() + 1000 * timeout_s)
         calls = self.submitter.calls([(p, deadline_ms, force) for p in items])
         for attempt in (1, 2):
@@ -261,7 +274,7 @@ class SyncState:
         (evicted, or lost in a failover, since they were written)."""
         if not digests:
             return []
-        c = self.client
+        c = self.target
         keys = [c.keys.result(c.model, wanted[d].shard, d) for d in digests]
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:

@@ -131,6 +131,11 @@ class Keys:
         """Hash of an offline job's progress: done, total, failed, rate, updated_at, state."""
         return self._k("job", job_id)
 
+    def job_id_of(self, key: str | bytes) -> str:
+        """The job id in a :meth:`job_progress` key."""
+        text = key.decode() if isinstance(key, bytes) else key
+        return text[len(self._k("job", "")) :]
+
     def reply(self, client_id: str) -> str:
         return self._k("reply", client_id)
 

@@ -71,3 +71,9 @@ def test_every_row_is_built() -> None:
     built = _built()
     for row, _, _ in KEY_TABLE:
         assert any(_pattern(row).match(key) for key in built), f"no Keys method builds {row}"
+
+
+def test_ids_read_back_from_their_keys() -> None:
+    k = Keys("tenant:a")
+    assert k.job_id_of(k.job_progress("j:1-2").encode()) == "j:1-2"
+    assert k.worker_id_of(k.worker("host:123:ab")) == "host:123:ab"

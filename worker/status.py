@@ -79,7 +79,7 @@ async def _jobs(redis: AnyRedis, keys: Keys) -> dict[str, dict[str, Any]]:
     jobs: dict[str, dict[str, Any]] = {}
     async for key in redis.scan_iter(match=keys.job_progress("*"), count=500):
         raw = await redis.hgetall(key)  # type: ignore[misc]
-        jobs[_s(key).rsplit(":", 1)[-1]] = {_s(k): _s(v) for k, v in raw.items()}
+        jobs[keys.job_id_of(key)] = {_s(k): _s(v) for k, v in raw.items()}
     return jobs
 
 

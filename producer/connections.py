@@ -1,0 +1,73 @@
+"""The Redis connections of one event loop's state (``producer.loop``), opened in that loop.
+
+- ``redis``: redis-py, for SUBMIT calls and small commands;
+- ``listen``: redis-py with a socket timeout past the longest blocking pop, for the reply
+  listener's ``BLMPOP``;
+- on a single Redis without TLS, two ``shared.resp`` connections: one for the one-round-trip
+  pipeline of a lone request, one for reading results. Both receive each row into a buffer of
+  its own that becomes the caller's tensor (redis-py copies a reply five times); elsewhere
+  (TLS, a cluster) redis-py serves both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from producer.submit import LISTEN_BLOCK_S
+from shared.redis_conn import AnyRedis, connect_redis
+from shared.resp import RespConnection
+from shared.resp import supported as resp_supported
+
+
+class LoopConnections:
+    def __init__(self, url: str, single: bool) -> None:
+        self.redis: AnyRedis = connect_redis(url)
+        self.listen: AnyRedis = connect_redis(url, socket_timeout=LISTEN_BLOCK_S + 10)
+        direct = single and resp_supported(url)
+        self.whole = RespConnection(url) if direct else None
+        self.fetch = RespConnection(url) if direct else None
+
+    async def run_whole(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """A lone request's pipeline (it blocks in a pop); replies with errors in place."""
+        if self.whole is not None:
+            return await self.whole.execute(commands, LISTEN_BLOCK_S + 10)
+        pipe = self.listen.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def get(self, keys: list[str]) -> list[Any]:
+        """The values of ``keys`` (None where gone), in one pipeline; raises an error reply."""
+        if self.fetch is not None:
+            values = await self.fetch.execute([("GET", key) for key in keys], LISTEN_BLOCK_S + 10)
+            for value in values:
+                if isinstance(value, Exception):
+                    raise value
+            return values
+        if len(keys) == 1:
+            return [await self.redis.get(keys[0])]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return list(await pipe.execute())
+
+    async def leave(self, waiter_sets: list[str], reply_key: str) -> None:
+        """Take ``reply_key`` out of ``waiter_sets`` and delete it (best effort)."""
+        with contextlib.suppress(Exception):
+            pipe = self.redis.pipeline(transaction=False)
+            for waiters in waiter_sets:
+                pipe.srem(waiters, reply_key)
+            pipe.delete(reply_key)
+            await pipe.execute()
+
+    async def aclose(self) -> None:
+        """Close them all (best effort: Redis may be gone)."""
+        for client in (self.redis, self.listen):
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        for conn in (self.whole, self.fetch):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.aclose()
