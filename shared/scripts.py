@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ClusterDownError, NoScriptError, ResponseError
 
 from shared.resp import Commands, RespConnection
 
@@ -145,6 +145,14 @@ async def execute(
             results: list[Any] = await pipe.execute(raise_on_error=raise_on_error)
         except NoScriptError:
             results = [NoScriptError()]
+        except AttributeError as e:
+            # redis-py's cluster pipeline reads its client's default node, which is None while
+            # the client re-reads the topology after a failover: a transient state
+            if getattr(redis, "get_default_node", lambda: True)() is not None:
+                raise
+            raise ClusterDownError(  # type: ignore[no-untyped-call]
+                f"the cluster client is re-reading its topology ({e})"
+            ) from e
         if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
             for script in scripts:
                 await script.load(redis)

@@ -409,3 +409,41 @@ def test_whole_cluster_restarts_from_its_aof() -> None:
             assert client.mget_nonatomic(keys) == keys
         finally:
             client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pipeline_while_the_cluster_client_rereads_its_topology_is_transient(
+    cluster_url: str,
+) -> None:
+    """After connection errors (a failover) one pipeline's retry closes the cluster client's
+    node manager, whose default node is None until the topology is read again; another
+    pipeline of the same client then in flight fails inside redis-py with an AttributeError.
+    ``execute`` gives that as a transient error, which every caller rides over (a producer's
+    submission failed outright in ``tests/test_cluster_pool.py`` before), and a later run
+    succeeds."""
+    from shared.redis_conn import TRANSIENT, connect_redis
+    from shared.scripts import execute
+
+    client = cast(Any, connect_redis(cluster_url))
+    try:
+
+        def build(pipe: Any) -> None:
+            pipe.set("{t}:a", "x")
+            pipe.incr("{t}:a")  # an error reply: redis-py then looks at the default node
+
+        def run() -> Any:
+            return execute(client, build, [], raise_on_error=False)
+
+        first = await run()
+        assert first[0] is True and isinstance(first[1], ResponseError)
+        default = client.get_default_node()
+        running = asyncio.create_task(run())
+        await asyncio.sleep(0)  # the pipeline is out, waiting for its replies
+        client.nodes_manager.default_node = None  # as the other pipeline's retry leaves it
+        with pytest.raises(TRANSIENT):
+            await running
+        client.nodes_manager.default_node = default
+        again = await run()
+        assert again[0] is True and isinstance(again[1], ResponseError)
+    finally:
+        await client.aclose()
