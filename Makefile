@@ -5,7 +5,7 @@ BIN = $(VENV)/bin
 # torch from PyPI: on Linux x86-64 its CUDA build (it runs on the CPU too). The CPU-only build,
 # from PyTorch's index: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
-CODE = shared worker producer tests bench
+CODE = shared worker producer localpool tests bench
 
 .PHONY: install demo test test-vllm test-gpu lint bench clean
 
@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m producer.demo
+	$(BIN)/python -m localpool.demo
 
 test: install
 	$(BIN)/python -m pytest

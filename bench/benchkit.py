@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from worker.launch import WorkerProcess
+from localpool.launch import WorkerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any
     """A private Redis as ``cache_args`` chose it: capped (``volatile-lru``) and filled first
     with expiring values of ``row_bytes``, so the shared cache is at its steady state, or
     unbounded. Yields the server and the worker settings that go with it; reports the choice."""
-    from shared.redis_server import RedisServer
+    from localpool.redis_server import RedisServer
 
     with RedisServer(maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru") as server:
         if args.maxmemory_mb > 0:
@@ -204,7 +204,7 @@ async def closed_loop(
 
 # -- worker processes ---------------------------------------------------------------------
 class Worker(WorkerProcess):
-    """``worker.launch.WorkerProcess``, logging to a new temporary folder, stopped with 20 s
+    """``localpool.launch.WorkerProcess``, logging to a new temporary folder, stopped with 20 s
     of grace: ``Worker(url, extra_env={"OMP_NUM_THREADS": "1"}, backend="mock").start()``."""
 
     def __init__(self, redis_url: str, extra_env: dict[str, str] | None = None, **settings: Any):

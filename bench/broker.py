@@ -28,8 +28,8 @@ from benchkit import Report, closed_loop
 from benchkit import process_cpu_s as cpu_seconds
 from reply_paths import lmpool_call
 
-from shared.redis_cluster import RedisCluster
-from shared.redis_server import RedisServer
+from localpool.redis_cluster import RedisCluster
+from localpool.redis_server import RedisServer
 
 ROW_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

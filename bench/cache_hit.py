@@ -34,10 +34,10 @@ import poolbench
 import torch
 from benchkit import Report, percentile
 
+from localpool.redis_server import RedisServer
 from shared import protocol
 from shared.keys import Keys
 from shared.redis_conn import connect_redis
-from shared.redis_server import RedisServer
 from shared.scripts import SUBMIT_SCRIPT, run_script
 from shared.settings import Settings
 from worker.status import collect

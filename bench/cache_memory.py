@@ -29,8 +29,8 @@ from benchkit import Report
 from benchkit import process_cpu_s as cpu_seconds
 from reply_paths import VOCAB
 
+from localpool.redis_server import RedisServer
 from shared.keys import Keys
-from shared.redis_server import RedisServer
 from shared.scripts import FINISH_SCRIPT, SUBMIT_SCRIPT
 
 BATCH = 16

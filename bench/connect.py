@@ -85,7 +85,7 @@ async def main(args: argparse.Namespace, report: Any) -> None:
     import benchkit
     import poolbench
 
-    from shared.redis_server import RedisServer
+    from localpool.redis_server import RedisServer
     from shared.settings import Settings
 
     here = Settings.from_env()

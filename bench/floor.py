@@ -27,9 +27,9 @@ import torch
 from benchkit import Report
 from reply_paths import VOCAB
 
+from localpool.redis_server import RedisServer
 from shared.protocol import encode_result
 from shared.redis_conn import connect_redis
-from shared.redis_server import RedisServer
 from worker.backends.mock import MockBackend
 
 PAUSE_S = 0.001

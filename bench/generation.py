@@ -32,7 +32,7 @@ from typing import Any
 import benchkit
 from benchkit import Report
 
-from shared.redis_server import RedisServer
+from localpool.redis_server import RedisServer
 
 
 @dataclass

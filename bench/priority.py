@@ -31,9 +31,9 @@ import poolbench
 import torch
 from benchkit import Report, percentile
 
+from localpool.redis_server import RedisServer
 from shared.keys import Keys
 from shared.redis_conn import connect_redis
-from shared.redis_server import RedisServer
 from shared.settings import Settings
 
 WARM = 20

@@ -48,8 +48,8 @@ from benchkit import Cell, Report, closed_loop
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from localpool.redis_server import RedisServer
 from shared import protocol
-from shared.redis_server import RedisServer
 
 VOCAB = 49_152
 WORKER_BATCH = 16

@@ -31,8 +31,8 @@ import benchkit
 import redis
 import torch
 
+from localpool.redis_server import RedisServer
 from shared.keys import Keys
-from shared.redis_server import RedisServer
 from shared.settings import Settings
 
 

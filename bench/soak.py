@@ -30,9 +30,9 @@ import redis
 import torch
 from benchkit import Report
 
+from localpool.redis_server import RedisServer
 from shared import protocol
 from shared.keys import Keys
-from shared.redis_server import RedisServer
 
 MIB = 1 << 20
 

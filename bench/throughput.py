@@ -28,8 +28,8 @@ import redis
 import torch
 from benchkit import Report
 
+from localpool.redis_server import RedisServer
 from shared.keys import Keys
-from shared.redis_server import RedisServer
 from shared.settings import Settings
 
 WARM_PROMPTS = 16

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import redis
 
-from shared.redis_cluster import RedisCluster
-from shared.redis_server import RedisServer
+from localpool.redis_cluster import RedisCluster
+from localpool.redis_server import RedisServer
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from worker import launch
+from localpool import launch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class WorkerProcess(launch.WorkerProcess):
-    """``worker.launch.WorkerProcess`` with a 0.2 s heartbeat (``heartbeat_s`` overrides it),
+    """``localpool.launch.WorkerProcess`` with a 0.2 s heartbeat (``heartbeat_s`` overrides it),
     so that tests see a new worker and its counters at once; logs go to ``log_dir``."""
 
     def __init__(self, redis_url: str, log_dir: Path, **settings: Any) -> None:

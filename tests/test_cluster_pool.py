@@ -15,9 +15,9 @@ import pytest
 import redis
 import torch
 
+from localpool.redis_cluster import RedisCluster
 from producer import RemoteLM
 from shared.keys import GROUP, Keys
-from shared.redis_cluster import RedisCluster
 from shared.redis_conn import connect_redis_sync
 from shared.settings import Settings
 from worker.backends.mock import MockBackend

@@ -30,8 +30,8 @@ def test_services_and_their_commands() -> None:
     assert {"redis", "worker-gpu", "worker-cpu", "producer"} <= set(services)
     for name in ("worker-gpu", "worker-cpu"):
         assert services[name]["command"] == ["arq", "worker.WorkerSettings"]
-    assert services["producer"]["command"][:3] == ["python", "-m", "producer.demo"]
-    assert (ROOT / "producer" / "demo.py").exists()
+    assert services["producer"]["command"][:3] == ["python", "-m", "localpool.demo"]
+    assert (ROOT / "localpool" / "demo.py").exists()
 
 
 def test_every_lmpool_variable_is_a_valid_setting() -> None:

@@ -14,13 +14,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m producer.demo`` with its temporary folders under ``tmp_path``, on the mock
+    """``python -m localpool.demo`` with its temporary folders under ``tmp_path``, on the mock
     backend (the bundled model's run is the same path, minutes slower)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
     env.update(TMPDIR=str(tmp_path), LMPOOL_MODEL_NAME="mock-256")
     env.pop("VIRTUAL_ENV", None)  # as after `make demo`: the venv is not activated
     return subprocess.run(
-        [sys.executable, "-m", "producer.demo", *args],
+        [sys.executable, "-m", "localpool.demo", *args],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -20,12 +20,12 @@ import pytest
 import redis
 import torch
 
+from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from producer.submit import LISTEN_BLOCK_S
 from shared import protocol
 from shared.errors import DeadLettered, InvalidRequest, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
-from shared.redis_server import RedisServer
 from shared.scripts import SUBMIT_SCRIPT
 from shared.settings import Settings
 from worker.backends.mock import MockBackend

@@ -14,9 +14,9 @@ from typing import Any, cast
 import pytest
 import redis
 
+from localpool.redis_server import free_port
 from producer import RemoteLM
 from shared.keys import Keys
-from shared.redis_server import free_port
 
 V = 300
 MODEL = f"mock-{V}"

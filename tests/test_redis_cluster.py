@@ -1,4 +1,4 @@
-"""The Redis Cluster launcher (``shared.redis_cluster.RedisCluster``) with plain redis-py.
+"""The Redis Cluster launcher (``localpool.redis_cluster.RedisCluster``) with plain redis-py.
 
 What a cluster client needs to ride over a failover (redis-py 5.3.1, measured here with
 3 masters x 1 replica, ``cluster-node-timeout 1000``: a master SIGKILLed, its replica promoted
@@ -63,7 +63,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from shared.redis_cluster import CLUSTER_BUS_OFFSET, ClusterMember, RedisCluster
+from localpool.redis_cluster import CLUSTER_BUS_OFFSET, ClusterMember, RedisCluster
 
 RETRY_ERRORS = (ConnectionError, TimeoutError, socket.timeout, OSError)
 FAILOVER_LIMIT_S = 10.0

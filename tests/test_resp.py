@@ -15,8 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from localpool.redis_server import RedisServer
 from shared.codec import decode_tensor, encode_tensor
-from shared.redis_server import RedisServer
 from shared.resp import BIG_BULK, RespConnection, _Protocol, pack, pack_parts, supported
 
 BIG = bytes(random.Random(0).randbytes(BIG_BULK * 3 + 17))

@@ -19,10 +19,10 @@ import redis
 import torch
 from poolkit import REPO, WorkerProcess
 
+from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from producer.score import enqueue_score_file, load_logprobs, read_job_progress
 from shared.keys import Keys
-from shared.redis_server import RedisServer
 
 V = 300
 MODEL = f"mock-{V}"

@@ -12,9 +12,9 @@ import redis
 import torch
 from redis.exceptions import AuthenticationError, NoPermissionError
 
+from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from shared.acl import producer_rule, worker_rule
-from shared.redis_server import RedisServer
 from worker.backends.mock import MockBackend
 
 V = 300

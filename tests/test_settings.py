@@ -118,7 +118,7 @@ def test_a_missing_model_stops_the_worker_naming_the_setting(redis_url: str) -> 
 def test_an_unreachable_redis_stops_the_worker_with_one_line() -> None:
     """After arq's own retries (a line each), one line naming the URL, password masked; no
     traceback; exit status 1."""
-    from shared.redis_server import free_port
+    from localpool.redis_server import free_port
 
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
     res = _start_worker(LMPOOL_REDIS_URL=url)
@@ -134,7 +134,7 @@ def test_an_unreachable_redis_stops_the_worker_with_one_line() -> None:
 def test_an_unreachable_pool_redis_stops_the_worker_naming_it(redis_url: str) -> None:
     """arq's queue answers (LMPOOL_ARQ_REDIS_URL), the pool's Redis does not: found at
     start-up, logged on one line, exit status 1."""
-    from shared.redis_server import free_port
+    from localpool.redis_server import free_port
 
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
     res = _start_worker(LMPOOL_REDIS_URL=url, LMPOOL_ARQ_REDIS_URL=redis_url)

@@ -441,8 +441,8 @@ def test_add_and_remove_lora_at_run_time(
 @pytest.mark.asyncio
 async def test_pool_end_to_end(model_dir: Path, reference: Reference, tmp_path: Path) -> None:
     """Redis + an ``arq`` worker subprocess with LMPOOL_BACKEND=vllm + ``RemoteLM``."""
+    from localpool.redis_server import RedisServer
     from producer import RemoteLM
-    from shared.redis_server import RedisServer
 
     repo = Path(__file__).resolve().parent.parent
     with RedisServer() as server:

@@ -24,10 +24,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.errors import SettingsError
 from shared.keys import Keys
-from shared.logs import setup_logging
 from shared.redis_conn import is_cluster, is_cluster_async, masked_url
 from shared.settings import Settings
 from worker.jobs import pack_job, score_file, unpack_job
+from worker.logs import setup_logging
 
 log = logging.getLogger("lmpool.worker")
 T = TypeVar("T")

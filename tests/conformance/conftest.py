@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from poolkit import WorkerProcess, build_adapter, build_tiny_llama
 
-from shared.redis_server import RedisServer
+from localpool.redis_server import RedisServer
 
 from .kit import MODEL_SHAPE, SUBJECTS
 

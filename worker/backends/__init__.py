@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from shared.errors import SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, ModelInfo
+
+if TYPE_CHECKING:  # the engines (and torch) load only when a backend is chosen
+    from worker.backends.base import Backend
 
 
 def choose_backend(settings: Settings) -> str:
@@ -46,4 +49,4 @@ def load_backend(settings: Settings) -> Backend:
     raise SettingsError(f"LMPOOL_BACKEND={name} is not available in this build")
 
 
-__all__ = ["Backend", "ModelInfo", "choose_backend", "load_backend"]
+__all__ = ["choose_backend", "load_backend"]

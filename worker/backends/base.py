@@ -63,7 +63,7 @@ def describe_model(
     quantization), not the engine: hf and vLLM results of one model share cache entries.
     """
     from shared.tokenizer import tokenizer_config
-    from worker.model_files import files_fingerprint
+    from worker.backends.model_files import files_fingerprint
 
     dtype_name = str(dtype).replace("torch.", "")
     return ModelInfo(

@@ -16,7 +16,7 @@ from shared.settings import Settings
 from worker.backends.base import Backend, describe_model
 from worker.backends.hf import attention
 from worker.backends.hf.kv_cache import KVCache, UnsupportedModel
-from worker.model_files import eos_token_ids, model_dir
+from worker.backends.model_files import eos_token_ids, model_dir
 
 log = logging.getLogger("lmpool.worker")
 

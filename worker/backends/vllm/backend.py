@@ -32,6 +32,7 @@ import torch
 from shared.errors import InvalidRequest, SettingsError, UnknownAdapter
 from shared.settings import Settings
 from worker.backends.base import Backend, EngineDead, Work, describe_model
+from worker.backends.model_files import eos_token_ids, model_dir
 from worker.backends.vllm.engine import (
     EngineWatch,
     check_capture,
@@ -48,7 +49,6 @@ from worker.backends.vllm.works import (
     prompt_ids,
     sampling_params,
 )
-from worker.model_files import eos_token_ids, model_dir
 
 log = logging.getLogger("lmpool.worker")
 

