@@ -18,7 +18,7 @@ Rows per second on each side and the ratio pool / bare, beside the targets of th
     python bench/efficiency.py                                # tiny model, both shapes
     python bench/efficiency.py --model default --particles 16 --steps 8
     LMPOOL_MODEL=DIR python bench/efficiency.py --model env --device cuda --dtype bfloat16
-    .venv-vllm/bin/python bench/efficiency.py --backend vllm  # the pool on vLLM
+    .venv-vllm/bin/python bench/efficiency.py --backend vllm --model tiny-hd32  # on vLLM
 
 ``--model tiny`` writes a random Llama of ``bench/random_model.py``'s ``tiny`` shape (hidden
 64, 2 layers, SmolLM2's tokenizer: V = 49,152) to a temporary folder: its forward pass is cheap
@@ -272,9 +272,9 @@ def rate(rows_seconds: tuple[int, float]) -> float:
 async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="lmpool-efficiency-") as tmp:
-        if args.model == "tiny":
+        if args.model in ("tiny", "tiny-hd32"):
             path = random_model.build(
-                Path(tmp), "tiny", random_model.default_tokenizer_dir(), torch.float32, 0
+                Path(tmp), args.model, random_model.default_tokenizer_dir(), torch.float32, 0
             )
         elif args.model == "default":
             path = benchkit.model_dir()
@@ -351,7 +351,10 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="tiny", help="tiny (random, built here), default, env, or a folder"
+        "--model",
+        default="tiny",
+        help="tiny or tiny-hd32 (random, built here; vLLM on the CPU needs the second), "
+        "default, env, or a folder",
     )
     parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--shapes", default="smc,genlm", help="smc, genlm or both")

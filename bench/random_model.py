@@ -43,6 +43,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "rope_theta": 100000.0,
     },
+    # the same with a head size vLLM's CPU attention takes (32; "tiny"'s 16 it refuses)
+    "tiny-hd32": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 100000.0,
+    },
     "135m": {
         "hidden_size": 576,
         "intermediate_size": 1536,
