@@ -22,7 +22,6 @@ from producer.submit import Prepared, SyncState
 from producer.target import Target
 from shared.errors import LMPoolError
 from shared.keys import Keys
-from shared.redis_conn import AnyRedis
 from shared.settings import Settings
 
 __all__ = ["PoolClient", "Prepared"]
@@ -58,9 +57,6 @@ class PoolClient:
     @property
     def client_id(self) -> str:
         return self.target.client_id
-
-    def redis_now_ms(self) -> float:
-        return self.target.redis_now_ms()
 
     @property
     def closed(self) -> bool:
@@ -118,11 +114,6 @@ class PoolClient:
         for method, args in commands:
             getattr(pipe, method)(*args)
         return list(pipe.execute())
-
-    # -- diagnostics ----------------------------------------------------------------------
-    async def queue_state(self, redis: AnyRedis) -> str:
-        """One line on the model's queue for error messages (``RequestTimeout``)."""
-        return await self.target.queue_state(redis)
 
     async def clear_results(self) -> int:
         """UNLINK every cached result of this model, in batches."""
