@@ -86,7 +86,7 @@ def main() -> None:
     t0 = time.perf_counter()
     backend = VLLMBackend(Settings(backend="vllm", model=model, kv_cache_mb=args.kv_cache_mb))
     startup = time.perf_counter() - t0
-    vocab = backend.info.vocab_size
+    vocab = backend.info["vocab_size"]
     rng = random.Random(0)
 
     def prompt() -> list[int]:  # distinct first tokens: no prefix-cache hits between prompts

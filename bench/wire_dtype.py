@@ -31,13 +31,13 @@ async def run(args: argparse.Namespace, report: Report) -> None:
 
     backend = await asyncio.to_thread(HFBackend, Settings(backend="hf", kv_cache_mb=0))
     rng = random.Random(args.seed)
-    vocab = backend.info.vocab_size
+    vocab = backend.info["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(args.tokens)] for _ in range(args.prompts)]
     rows = torch.cat(
         [backend.logprobs(prompts[i : i + 16], None) for i in range(0, len(prompts), 16)]
     )
     report.line(
-        f"# {backend.info.name_or_path}: {len(prompts)} random {args.tokens}-token prompts, "
+        f"# {backend.info['name_or_path']}: {len(prompts)} random {args.tokens}-token prompts, "
         f"vocab {vocab}, rows computed in float32 on the CPU"
     )
     report.line()

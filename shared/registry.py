@@ -18,8 +18,8 @@ from shared.redis_conn import AnyRedis
 
 
 class ModelDescription(TypedDict):
-    """What a backend reports of its model (``worker.backends.base.ModelInfo``, the same
-    fields as a dataclass: ``tests/test_registry.py`` keeps the two equal)."""
+    """What a backend reports of its model (``Backend.info``): the model part of the
+    metadata that :class:`ModelMeta` extends with what is pool-wide."""
 
     name_or_path: str
     """What the worker loaded (``LMPOOL_MODEL``, or the bundled default's file name)."""

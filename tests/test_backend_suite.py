@@ -132,4 +132,4 @@ def test_lora_matches_the_merged_reference(
     with pytest.raises(UnknownAdapter):
         backend.check_prompt(1, "b", 0)
     with pytest.raises(InvalidRequest, match="exceeds the limit"):
-        backend.check_prompt(backend.info.max_length + 1, None, 0)
+        backend.check_prompt(backend.info["max_length"] + 1, None, 0)

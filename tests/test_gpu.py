@@ -55,8 +55,8 @@ def test_backend_on_cuda_matches_float32_on_cpu(
 ) -> None:
     backend = HFBackend(Settings(model=str(model_dir), device="cuda", dtype=dtype, kv_cache_mb=0))
     try:
-        assert backend.info.device.startswith("cuda")
-        assert backend.info.dtype == dtype
+        assert backend.info["device"].startswith("cuda")
+        assert backend.info["dtype"] == dtype
         rows = backend.logprobs(PROMPTS, None)
         assert rows.shape == (len(PROMPTS), VOCAB)
         diff = worst(rows, cpu_model, PROMPTS)

@@ -70,8 +70,8 @@ def test_check_prompt_rejects_bad_prompts(backend: HFBackend) -> None:
         backend.check_prompt(0, None, 0)
     with pytest.raises(InvalidRequest, match="exceeds the limit of 4"):
         backend.check_prompt(5, None, 4)
-    with pytest.raises(InvalidRequest, match=f"exceeds the limit of {backend.info.max_length}"):
-        backend.check_prompt(backend.info.max_length + 1, None, 0)
+    with pytest.raises(InvalidRequest, match=f"exceeds the limit of {backend.info['max_length']}"):
+        backend.check_prompt(backend.info["max_length"] + 1, None, 0)
 
 
 def test_cpu_attention_reads_grouped_heads_in_place(tiny_llama: Path) -> None:

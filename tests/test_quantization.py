@@ -33,8 +33,8 @@ def test_quantized_close_to_float(
     tiny_llama: Path, full: HFBackend, mode: str, tolerance: float
 ) -> None:
     q = HFBackend(Settings(model=str(tiny_llama), kv_cache_mb=0, quantization=mode))
-    assert q.info.fingerprint != full.info.fingerprint
-    assert q.info.fingerprint.endswith(f"-bnb{mode}")
+    assert q.info["fingerprint"] != full.info["fingerprint"]
+    assert q.info["fingerprint"].endswith(f"-bnb{mode}")
     diff = (q.logprobs(PROMPTS, None) - full.logprobs(PROMPTS, None)).abs().max().item()
     assert 0 < diff <= tolerance, diff
 
@@ -52,7 +52,7 @@ def test_quantized_on_gpu(
     q = HFBackend(
         Settings(model=str(tiny_llama), device="cuda", dtype="float16", quantization=mode)
     )
-    assert q.info.device.startswith("cuda") and q.info.fingerprint.endswith(f"-bnb{mode}")
+    assert q.info["device"].startswith("cuda") and q.info["fingerprint"].endswith(f"-bnb{mode}")
     rows = q.logprobs(PROMPTS, None)
     diff = float((rows.float().cpu() - full.logprobs(PROMPTS, None)).abs().max())
     record_property(f"max_abs_diff_bnb{mode}_cuda", diff)

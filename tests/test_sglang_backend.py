@@ -60,10 +60,10 @@ def backend(tiny_llama: Path, hf: HFBackend) -> tuple[SGLangBackend, EngineStand
 
 def test_model_info_comes_from_the_engine(backend: Any, hf: HFBackend) -> None:
     b, _ = backend
-    assert b.info.vocab_size == hf.info.vocab_size == 320
-    assert b.info.eos_token_ids == hf.info.eos_token_ids == [319]
-    assert b.info.fingerprint == hf.info.fingerprint  # same weights, same dtype: shared cache
-    assert b.info.max_length == 512 and b.info.device == "cuda"
+    assert b.info["vocab_size"] == hf.info["vocab_size"] == 320
+    assert b.info["eos_token_ids"] == hf.info["eos_token_ids"] == [319]
+    assert b.info["fingerprint"] == hf.info["fingerprint"]  # same weights, same dtype: shared cache
+    assert b.info["max_length"] == 512 and b.info["device"] == "cuda"
 
 
 def test_logprobs_and_score(backend: Any, hf: HFBackend) -> None:

@@ -420,7 +420,7 @@ def test_add_and_remove_lora_at_run_time(
     with pytest.raises(UnknownAdapter):
         backend.check_prompt(1, "b", 0)
     backend.add_lora("b", second)
-    assert backend.info.adapters == ["a", "b"]
+    assert backend.info["adapters"] == ["a", "b"]
     backend.check_prompt(1, "b", 0)
     out = backend.logprobs(prompts, "b")
     assert max_diff(out, merged.logprobs(prompts)) < TOL
@@ -430,7 +430,7 @@ def test_add_and_remove_lora_at_run_time(
     backend.add_lora("b", first)
     assert max_diff(backend.logprobs(prompts, "b"), backend.logprobs(prompts, "a")) < TOL
     assert backend.remove_lora("b") is True and backend.remove_lora("b") is False
-    assert backend.info.adapters == ["a"]
+    assert backend.info["adapters"] == ["a"]
     with pytest.raises(UnknownAdapter):
         backend.logprobs(prompts, "b")
     with pytest.raises(SettingsError, match="cannot read r"):

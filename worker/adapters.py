@@ -45,7 +45,7 @@ class AdapterLoader:
         self._loading: dict[str, asyncio.Task[None]] = {}
 
     def loaded(self) -> set[str]:
-        return {a for a in self.backend.info.adapters if is_runtime_adapter(a)}
+        return {a for a in self.backend.info["adapters"] if is_runtime_adapter(a)}
 
     async def ensure(self, adapter_ids: set[str]) -> dict[str, UnknownAdapter]:
         """Load every adapter of ``adapter_ids`` not loaded yet; the ones that cannot be, with

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
@@ -75,7 +74,7 @@ class PoolWorker:
         """Publish model metadata; refuse to mix different weights under one model name."""
         s = self.settings
         meta: ModelMeta = {
-            **dataclasses.asdict(self.backend.info),  # type: ignore[typeddict-item]
+            **self.backend.info,
             "backend": self.backend.name,
             # pool-wide: producers route and bound their requests with these
             "max_queue": s.max_queue,
@@ -118,8 +117,8 @@ class PoolWorker:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "backend": self.backend.name,
-            "device": self.backend.info.device,
-            "dtype": self.backend.info.dtype,
+            "device": self.backend.info["device"],
+            "dtype": self.backend.info["dtype"],
             "max_batch": self.settings.max_batch,
             "started_at": self.started_at,
             "heartbeat_at": time.time(),
@@ -135,7 +134,7 @@ class PoolWorker:
             "requests_per_s": round(st.per_second(), 2),
             "busy_s": round(st.busy_s, 3),
             "kv": self.kv_stats(),
-            "adapters": list(self.backend.info.adapters),
+            "adapters": list(self.backend.info["adapters"]),
             "shards": sorted(self.leases.owned),
         }
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shared.errors import InvalidRequest, UnknownAdapter
+from shared.registry import ModelDescription
 
 log = logging.getLogger("lmpool.worker")
 
@@ -24,24 +25,6 @@ log = logging.getLogger("lmpool.worker")
 class EngineDead(RuntimeError):
     """The backend's engine is gone (its process died): the worker must stop and exit non-zero
     so that a supervisor restarts it; its unacknowledged messages are reclaimed by others."""
-
-
-@dataclass
-class ModelInfo:
-    """What a backend tells the pool about its model (published to Redis for producers as the
-    model part of its metadata, ``shared.registry.ModelDescription``)."""
-
-    name_or_path: str
-    fingerprint: str
-    vocab_size: int
-    max_length: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    dtype: str
-    device: str
-    tokenizer_json: str
-    tokenizer_config: dict[str, Any] = field(default_factory=dict)
-    adapters: list[str] = field(default_factory=list)
 
 
 def describe_model(
@@ -56,8 +39,8 @@ def describe_model(
     device: str,
     adapters: list[str],
     variant: str = "",
-) -> ModelInfo:
-    """The ``ModelInfo`` of a checkpoint loaded from ``source`` (a directory or a GGUF file).
+) -> ModelDescription:
+    """The ``ModelDescription`` of a checkpoint loaded from ``source`` (a directory or a GGUF file).
 
     The fingerprint covers the weights and the compute dtype (and ``variant``, e.g. a
     quantization), not the engine: hf and vLLM results of one model share cache entries.
@@ -66,7 +49,7 @@ def describe_model(
     from worker.backends.model_files import files_fingerprint
 
     dtype_name = str(dtype).replace("torch.", "")
-    return ModelInfo(
+    return ModelDescription(
         name_or_path=str(model_setting or source.stem),
         fingerprint=f"{files_fingerprint(source)}-{dtype_name}{variant}",
         vocab_size=vocab_size,
@@ -138,7 +121,7 @@ class Backend(ABC):
     """
 
     name: str = "base"
-    info: ModelInfo
+    info: ModelDescription
     max_batch: int = 16
     """Most rows one step runs, and most generations decoded together (the worker sets it)."""
 
@@ -160,13 +143,13 @@ class Backend(ABC):
         limit = self.prompt_limit(max_prompt_tokens)
         if n_tokens > limit:
             raise InvalidRequest(f"prompt of {n_tokens} tokens exceeds the limit of {limit}")
-        if lora is not None and lora not in self.info.adapters:
-            known = ", ".join(self.info.adapters) or "none"
+        if lora is not None and lora not in self.info["adapters"]:
+            known = ", ".join(self.info["adapters"]) or "none"
             raise UnknownAdapter(f"unknown LoRA adapter {lora!r}; loaded: {known}")
 
     def prompt_limit(self, max_prompt_tokens: int) -> int:
         """Longest prompt accepted: the model's context, or less when the setting says so."""
-        return min(max_prompt_tokens or self.info.max_length, self.info.max_length)
+        return min(max_prompt_tokens or self.info["max_length"], self.info["max_length"])
 
     def _count(self, prompts: list[list[int]]) -> None:
         with self._lock:

@@ -17,8 +17,9 @@ import time
 
 import torch
 
+from shared.registry import ModelDescription
 from shared.tokenizer import byte_tokenizer
-from worker.backends.base import Backend, ModelInfo
+from worker.backends.base import Backend
 
 SHARPNESS_LEVELS = 16
 """Distinct sharpness levels (temperatures 1/0.5 .. 1/1.5) of the mock's rows."""
@@ -39,7 +40,7 @@ class MockBackend(Backend):
         self.fail_on = fail_on
         self.crash_on = crash_on
         self.delay_ms = delay_ms
-        self.info = ModelInfo(
+        self.info = ModelDescription(
             name_or_path=f"mock-{vocab_size}",
             fingerprint=f"mock-v2-{vocab_size}",
             vocab_size=vocab_size,
@@ -50,6 +51,7 @@ class MockBackend(Backend):
             device="cpu",
             tokenizer_json=tokenizer.backend_tokenizer.to_str(),
             tokenizer_config={"eos_token": tokenizer.eos_token},
+            adapters=[],
         )
 
     def _fill(self, out: torch.Tensor, ids: list[int], lora: str | None) -> None:
@@ -60,14 +62,14 @@ class MockBackend(Backend):
             raise RuntimeError(f"mock model fails on token ids {sorted(self.fail_on)}")
         seed_src = repr((ids, lora)).encode()
         seed = int.from_bytes(hashlib.blake2b(seed_src, digest_size=8).digest(), "little")
-        size = self.info.vocab_size
+        size = self.info["vocab_size"]
         shift, level = seed % size, (seed >> 32) % SHARPNESS_LEVELS
         source = self._levels[level]
         out[shift:] = source[: size - shift]  # torch.roll(source, shift), into out
         out[:shift] = source[size - shift :]
 
     def _row(self, ids: list[int], lora: str | None) -> torch.Tensor:
-        out = torch.empty(self.info.vocab_size)
+        out = torch.empty(self.info["vocab_size"])
         self._fill(out, ids, lora)
         return out
 
@@ -75,25 +77,25 @@ class MockBackend(Backend):
     def _levels(self) -> torch.Tensor:
         """``[SHARPNESS_LEVELS, vocab_size]`` normalized log-probs of one random logit vector."""
         g = torch.Generator().manual_seed(0)
-        logits = torch.randn(self.info.vocab_size, generator=g) * 3
+        logits = torch.randn(self.info["vocab_size"], generator=g) * 3
         scales = 0.5 + torch.arange(SHARPNESS_LEVELS) / (SHARPNESS_LEVELS - 1)
         return torch.log_softmax(logits * scales[:, None], dim=-1)
 
     def add_lora(self, name: str, path: str) -> None:
         """Adapters change nothing here but the rows' seed (``_row`` hashes the name)."""
-        self.info.adapters = sorted({*self.info.adapters, name})
+        self.info["adapters"] = sorted({*self.info["adapters"], name})
 
     def remove_lora(self, name: str) -> bool:
-        if name not in self.info.adapters:
+        if name not in self.info["adapters"]:
             return False
-        self.info.adapters = [a for a in self.info.adapters if a != name]
+        self.info["adapters"] = [a for a in self.info["adapters"] if a != name]
         return True
 
     def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
         if self.delay_ms:
             time.sleep((self.delay_ms + 0.1 * len(prompts)) / 1000)
         self._count(prompts)
-        out = torch.empty(len(prompts), self.info.vocab_size)
+        out = torch.empty(len(prompts), self.info["vocab_size"])
         for row, prompt in zip(out, prompts, strict=True):
             self._fill(row, prompt, lora)
         return out

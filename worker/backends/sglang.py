@@ -68,7 +68,7 @@ class SGLangBackend(Backend):
             device=settings.device if settings.device != "auto" else "cuda",
             adapters=[],
         )
-        log.info("loaded %s with SGLang (vocab %d)", source, self.info.vocab_size)
+        log.info("loaded %s with SGLang (vocab %d)", source, self.info["vocab_size"])
 
     def _probe_token(self) -> int:
         bos = self.tokenizer.bos_token_id

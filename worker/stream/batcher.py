@@ -137,15 +137,15 @@ class Batcher:
         if kind not in protocol.KINDS:
             raise InvalidRequest(f"unknown request kind {kind!r}")
         ids = np.frombuffer(req["ids"], "<i4")
-        check_ids(ids, backend.info.vocab_size)
+        check_ids(ids, backend.info["vocab_size"])
         extra = 0
         if kind == "sample":
-            check_sample_params(params, backend.info.vocab_size)
+            check_sample_params(params, backend.info["vocab_size"])
         elif kind == "score":
             cont = params.get("cont")
             if set(params) != {"cont"} or not isinstance(cont, list) or not cont:
                 raise InvalidRequest("score needs a non-empty continuation and nothing else")
-            check_ids(_int_array(cont), backend.info.vocab_size)
+            check_ids(_int_array(cont), backend.info["vocab_size"])
             extra = len(cont)
         elif kind == "cache_kv":
             if set(params) - {"pin"} or not isinstance(params.get("pin", True), bool):
@@ -156,7 +156,7 @@ class Batcher:
         lora = None if is_runtime_adapter(req["lora"]) else req["lora"]
         backend.check_prompt(len(ids) + extra, lora, self.settings.max_prompt_tokens)
         expected = request_digest(
-            backend.info.fingerprint,
+            backend.info["fingerprint"],
             kind,
             req["ids"],
             req["lora"],
@@ -165,7 +165,7 @@ class Batcher:
         if expected != req["digest"]:
             raise InvalidRequest(
                 "request digest does not match its content for this worker's model "
-                f"(fingerprint {backend.info.fingerprint}): the producer sees other model "
+                f"(fingerprint {backend.info['fingerprint']}): the producer sees other model "
                 "metadata; reconnect it"
             )
 

@@ -158,13 +158,13 @@ class HFBackend(Backend):
             self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
         self.model.eval()
         self.adapters.add(name)
-        self.info.adapters = sorted(self.adapters)
+        self.info["adapters"] = sorted(self.adapters)
 
     def remove_lora(self, name: str) -> bool:
         if name not in self.adapters:
             return False
         self.adapters.discard(name)
-        self.info.adapters = sorted(self.adapters)
+        self.info["adapters"] = sorted(self.adapters)
         if self.adapters:
             self.model.delete_adapter(name)
         else:  # peft keeps at least one adapter: unwrap the base model instead

@@ -122,21 +122,21 @@ class VLLMBackend(Backend):
             source,
             device_type,
             self.startup_s,
-            self.info.dtype,
+            self.info["dtype"],
             vocab_size,
-            self.info.adapters or "none",
+            self.info["adapters"] or "none",
             ", ".join(f"pid {p.pid}" for p in processes) or "in this process",
         )
 
     def _warm_up(self) -> None:
         """One row per adapter: loads the adapters now and proves the capture works."""
-        probe = [self.info.bos_token_id or 0]
+        probe = [self.info["bos_token_id"] or 0]
         for lora in [None, *self._lora_requests]:
             row = self.logprobs([probe], lora)
-            if row.shape != (1, self.info.vocab_size):
+            if row.shape != (1, self.info["vocab_size"]):
                 raise RuntimeError(
                     f"captured logits have shape {tuple(row.shape)}, expected "
-                    f"(1, {self.info.vocab_size})"
+                    f"(1, {self.info['vocab_size']})"
                 )
         self.rows_computed = self.tokens_computed = 0
         self.transfer_s, self.transfers, self.transferred_rows = 0.0, 0, 0
@@ -345,7 +345,7 @@ class VLLMBackend(Backend):
         with self._engine_lock:
             old = self._lora_requests.get(name)
             self._lora_requests[name] = self._LoRARequest(name, next(self._lora_ids), str(folder))
-            self.info.adapters = sorted(self._lora_requests)
+            self.info["adapters"] = sorted(self._lora_requests)
             if old is not None:
                 self._forget_lora(old)
 
@@ -354,7 +354,7 @@ class VLLMBackend(Backend):
         the engine finish with it."""
         with self._engine_lock:
             old = self._lora_requests.pop(name, None)
-            self.info.adapters = sorted(self._lora_requests)
+            self.info["adapters"] = sorted(self._lora_requests)
             if old is None:
                 return False
             self._forget_lora(old)
