@@ -1,7 +1,10 @@
 """The Redis key layout: every key lmpool reads or writes is spelled here, and parsed here.
 
 All keys start with the configured prefix (``LMPOOL_KEY_PREFIX``, default ``lmpool``), so one
-ACL pattern (``~lmpool:*``) covers a tenant and a second prefix isolates a second tenant.
+ACL pattern (``~lmpool:*``) covers a tenant's keys and a second prefix separates a second
+tenant's. arq's own job keys (``arq:job:*``, ``arq:result:*``...) are named by arq and ignore the
+prefix: the workers of every tenant share them (``shared.acl`` grants ``~arq:*``), producers
+never touch them.
 
 A model's requests are split into ``LMPOOL_SHARDS`` shards (by prompt prefix or affinity key,
 see ``producer.routing``). Everything one request touches atomically, its shard's streams and
