@@ -119,14 +119,14 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_info(backend: Any, model_dir: Path) -> None:
     info = backend.info
     assert backend.name == "vllm"
-    assert info.vocab_size == VOCAB
-    assert info.dtype == "float32" and info.fingerprint.endswith("-float32")
-    assert info.device == "cpu"
-    assert info.eos_token_ids == [EOS] and info.bos_token_id == 1
-    assert info.max_length == 256
-    assert info.adapters == ["a"]
-    assert '"w5"' in info.tokenizer_json
-    assert info.tokenizer_config["eos_token"] == "</s>"
+    assert info["vocab_size"] == VOCAB
+    assert info["dtype"] == "float32" and info["fingerprint"].endswith("-float32")
+    assert info["device"] == "cpu"
+    assert info["eos_token_ids"] == [EOS] and info["bos_token_id"] == 1
+    assert info["max_length"] == 256
+    assert info["adapters"] == ["a"]
+    assert '"w5"' in info["tokenizer_json"]
+    assert info["tokenizer_config"]["eos_token"] == "</s>"
 
 
 def test_logprobs_match_transformers(backend: Any, reference: Reference) -> None:
