@@ -257,6 +257,12 @@ def redis_cpu_s(url: str) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def commandstats(r: Any) -> dict[str, tuple[int, float]]:
+    """Redis' ``INFO commandstats``: command -> (calls, microseconds) since the last reset."""
+    info: Any = r.info("commandstats")
+    return {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in info.items()}
+
+
 def folded_shares(path: Path, top: int, inclusive: bool = False) -> list[tuple[str, float]]:
     """Frames of py-spy's folded stacks by share of samples: the leaf frame of each stack
     (own time), or with ``inclusive`` every frame on it (time spent in it and below)."""

@@ -250,9 +250,8 @@ async def profiled(
     after = (time.process_time(), benchkit.process_cpu_s(pid), benchkit.redis_cpu_s(url))
     names = ("producer", "worker", "redis")
     with redis.Redis.from_url(url) as r:
-        stats: Any = r.info("commandstats")
-    commands = {k.removeprefix("cmdstat_"): float(v["usec"]) / 1e6 for k, v in stats.items()}
-    args.commandstats.append(commands)
+        stats = benchkit.commandstats(r)
+    args.commandstats.append({name: usec / 1e6 for name, (_, usec) in stats.items()})
     return result, {n: b - a for n, a, b in zip(names, before, after, strict=True)}
 
 

@@ -17,23 +17,15 @@ import cProfile
 import io
 import os
 import pstats
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import benchkit
 import redis
 from benchkit import Report, closed_loop
 from reply_paths import VOCAB, lmpool_call
-
-
-def commandstats(r: redis.Redis) -> dict[str, tuple[int, float]]:
-    info: Any = r.info("commandstats")
-    return {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in info.items()}
 
 
 async def run(args: argparse.Namespace, report: Report) -> None:
@@ -46,7 +38,6 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             **cache_settings,
             **dict(s.split("=", 1) for s in args.setting),
         )
-        spy: subprocess.Popen[bytes] | None = None
         raw = Path(args.out).with_suffix(".pyspy.txt") if args.out else None
         spy_out = raw or Path(tempfile.mkdtemp()) / "pyspy.txt"
         try:
@@ -55,21 +46,13 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             r = redis.Redis.from_url(url)
             r.config_resetstat()
             assert worker.proc is not None
-            py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            spy_args = ["record", "--pid", str(worker.proc.pid), "--format", "raw", "--rate", "500"]
-            spy_args += ["--duration", str(int(args.seconds)), "--output", str(spy_out)]
-            spy = subprocess.Popen(
-                [py_spy, *spy_args, "--nonblocking"],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
             profiler = cProfile.Profile(time.process_time)  # CPU, not wall-clock, time
-            profiler.enable()
-            cell = await closed_loop(call, args.in_flight, 0.0, args.seconds)
-            profiler.disable()
-            stats = commandstats(r)
+            with benchkit.py_spy(worker.proc.pid, spy_out, rate=500):
+                profiler.enable()
+                cell = await closed_loop(call, args.in_flight, 0.0, args.seconds)
+                profiler.disable()
+            stats = benchkit.commandstats(r)
             r.close()
-            spy.wait(timeout=60)
         finally:
             await lm.close()
             worker.stop()
