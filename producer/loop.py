@@ -397,8 +397,9 @@ class LoopState:
             return
         reason = f"the reply listener stopped: {task.exception()!r}"
         log.error("%s; failing this loop's requests", reason)
-        self.dead = reason  # at once: nothing new is accepted meanwhile
-        self.on_end(self)
+        # dead at once: nothing new is accepted meanwhile, the owner makes a new state for the
+        # next request, and end() forgets this one
+        self.dead = reason
         self._spawn(self.end(reason))
 
     # -- lifecycle ------------------------------------------------------------------------
