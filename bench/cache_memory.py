@@ -54,6 +54,7 @@ class Paths:
         self.res, self.wait = self.keys.digest_prefixes(MODEL, 0)
         self.stream = self.keys.stream(MODEL, "high", 0)
         self.stats = self.keys.stats(MODEL, 0)
+        self.due = self.keys.due(MODEL, 0)
         self.reply = self.keys.reply("bench-producer")
         r.script_load(SUBMIT_SCRIPT.source)
         r.script_load(FINISH_SCRIPT.source)
@@ -63,21 +64,22 @@ class Paths:
         args: list[Any] = [self.res, self.wait, self.reply, self.ttl_ms, 10**9, b""]
         for d in digests:
             args += [d, 0, self.message]
-        self.r.evalsha(SUBMIT_SCRIPT.sha, 2, self.stats, self.stream, *args)
+        self.r.evalsha(SUBMIT_SCRIPT.sha, 3, self.stats, self.stream, self.due, *args)
         pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(self.due, {f"r:{d}": 0 for d in digests})
         for d in digests:
-            pipe.set(self.res + d, self.row, px=self.ttl_ms)
+            pipe.set(self.res + d, self.row)  # no TTL until read (shared.scripts)
         finish: list[Any] = ["1", self.ttl_ms, self.wait]
         for d in digests:
             finish += [d, b"r" * 60]
-        pipe.execute_command("EVALSHA", FINISH_SCRIPT.sha, 1, self.stats, *finish)
+        pipe.execute_command("EVALSHA", FINISH_SCRIPT.sha, 2, self.stats, self.due, *finish)
         pipe.execute()
         self.r.lpop(self.reply, 512)
         pipe = self.r.pipeline(transaction=False)
         for d in digests:
-            pipe.get(self.res + d)
+            pipe.getex(self.res + d, px=self.ttl_ms)
         pipe.execute()
-        self.r.delete(self.stream)  # the entries are not read here: keep the stream small
+        self.r.delete(self.stream, self.due)  # not read or swept here: keep them small
 
     def bare(self) -> None:
         pipe = self.r.pipeline(transaction=False)

@@ -38,19 +38,20 @@ class LoopConnections:
             pipe.execute_command(*command)
         return list(await pipe.execute(raise_on_error=False))
 
-    async def get(self, keys: list[str]) -> list[Any]:
-        """The values of ``keys`` (None where gone), in one pipeline; raises an error reply."""
+    async def get(self, reads: list[list[Any]]) -> list[Any]:
+        """The values that ``reads`` (``Target.read_result`` commands) read (None where gone),
+        in one pipeline; raises an error reply."""
         if self.fetch is not None:
-            values = await self.fetch.execute([("GET", key) for key in keys], LISTEN_BLOCK_S + 10)
+            values = await self.fetch.execute(reads, LISTEN_BLOCK_S + 10)
             for value in values:
                 if isinstance(value, Exception):
                     raise value
             return values
-        if len(keys) == 1:
-            return [await self.redis.get(keys[0])]
+        if len(reads) == 1:
+            return [await self.redis.execute_command(*reads[0])]
         pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
+        for command in reads:
+            pipe.execute_command(*command)
         return list(await pipe.execute())
 
     async def leave(self, waiter_sets: list[str], reply_key: str) -> None:

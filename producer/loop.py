@@ -292,9 +292,9 @@ class LoopState:
         wanted = [self.pending[d] for d in digests if d in self.pending]
         if not wanted:
             return
-        keys = [c.keys.result(c.model, p.prepared.shard, p.prepared.digest) for p in wanted]
+        reads = [c.read_result(p.prepared.shard, p.prepared.digest) for p in wanted]
         try:
-            values = await self.conns.get(keys)
+            values = await self.conns.get(reads)
         except TRANSIENT:
             for p in wanted:
                 self._enqueue(p)
@@ -303,7 +303,7 @@ class LoopState:
             if self.pending.get(p.prepared.digest) is not p:
                 continue
             if value is None:
-                self._enqueue(p, force=True)  # evicted, or lost in a failover: compute again
+                self._enqueue(p, force=True)  # lost in a failover, or expired: compute again
             else:
                 self._settle(p, value)
 

@@ -70,7 +70,7 @@ class Submitter:
             args += [self.reply_key, ttl_ms, s.max_queue, marker]
             for p, deadline_ms, force in group:
                 args += [p.digest, int(force), p.message(deadline_ms)]
-            keys = [c.keys.stats(c.model, shard), c.stream_of(shard)]
+            keys = [c.keys.stats(c.model, shard), c.stream_of(shard), c.keys.due(c.model, shard)]
             out.append(([p for p, _, _ in group], keys, args))
         return out
 
@@ -101,7 +101,7 @@ class Submitter:
         return [
             SUBMIT_SCRIPT.eval_command(keys, args),
             ["BLMPOP", block_s, 1, self.reply_key, "LEFT", "COUNT", REPLIES_PER_POP],
-            ["GET", c.keys.result(c.model, prepared.shard, prepared.digest)],
+            c.read_result(prepared.shard, prepared.digest),
         ]
 
     @staticmethod
@@ -275,10 +275,9 @@ class SyncState:
         if not digests:
             return []
         c = self.target
-        keys = [c.keys.result(c.model, wanted[d].shard, d) for d in digests]
         pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
+        for d in digests:
+            pipe.execute_command(*c.read_result(wanted[d].shard, d))
         gone = []
         for digest, value in zip(digests, pipe.execute(), strict=True):
             if value is None:

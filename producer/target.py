@@ -37,6 +37,12 @@ class Target:
     def redis_now_ms(self) -> float:
         return time.time() * 1000 + self.clock_offset_ms
 
+    def read_result(self, shard: int, digest: str) -> list[Any]:
+        """The command that reads a result and gives it its TTL (results are written without
+        one until their first read: ``shared.scripts``)."""
+        key = self.keys.result(self.model, shard, digest)
+        return ["GETEX", key, "PX", self.settings.result_ttl_s * 1000]
+
     def stream_of(self, shard: int) -> str:
         return self.keys.stream(self.model, self.priority, shard)
 

@@ -12,8 +12,8 @@ import sys
 # caller's permissions), plus connection set-up.
 PRODUCER_COMMANDS = (
     "evalsha", "eval", "script|load", "script|exists", "rpush",  # SUBMIT
-    "exists", "sadd", "srem", "pttl", "pexpire", "set", "del", "xadd", "xlen", "hincrby",  # SUBMIT
-    "get", "mget",  # results
+    "exists", "sadd", "srem", "zadd", "pexpire", "del", "xadd", "xlen", "hincrby",  # SUBMIT
+    "getex",  # results (a result's first read gives it its TTL)
     "blmpop",  # replies
     "time",  # the server's clock, for request deadlines
     "info",  # whether the server is a cluster node (asked once per connect)

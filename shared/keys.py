@@ -36,6 +36,7 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("P:{M:S}:low", "stream", "offline requests of shard `S`"),
     ("P:{M:S}:stats", "hash", "producer-side counters: cache_hits, queued, joined, rejected"),
     ("P:{M:S}:res:D", "string", "result for content digest `D` (the shared output cache)"),
+    ("P:{M:S}:due", "zset", "unread results (`r:D`), waiter sets (`w:D`) -> when due (ms)"),
     ("P:{M:S}:wait:D", "set", "reply lists waiting for digest `D`; while it exists, `D` is queued"),
     ("P:reply:C", "list", "replies for producer connection `C`"),
     ("P:lora:M", "hash", "adapters added at run time: name -> description (JSON)"),
@@ -173,6 +174,10 @@ class Keys:
 
     def result(self, model: str, shard: int, digest: str) -> str:
         return self._tagged(model, shard, "res", digest)
+
+    def due(self, model: str, shard: int) -> str:
+        """Keys of ``shard`` kept without a TTL, and when each is due (``shared.scripts``)."""
+        return self._tagged(model, shard, "due")
 
     def results(self, model: str) -> str:
         """SCAN pattern of every cached result of ``model`` (all shards)."""

@@ -49,6 +49,8 @@ class ModelMeta(ModelDescription):
     """Pool-wide: the longest request stream (SUBMIT refuses more)."""
     shards: int
     """Pool-wide: interactive streams per model."""
+    result_ttl_s: int
+    """Pool-wide: a result's TTL, given at its first read (``GETEX``) or when it is due."""
     affinity_tokens: int
     """Pool-wide: leading tokens that pick a prompt's shard."""
     prompt_limit: int

@@ -10,6 +10,14 @@ On a single Redis, FINISH also pushes the replies (their lists are keys it does 
 which a cluster refuses); on a cluster it returns the reply lists and the worker pushes them
 in its next pipeline. The result itself never passes through Lua: moving a 200 KB value in and
 out of a script costs Redis several times the CPU of a plain SET (``bench/reply_paths.py``).
+Nothing a request waits on has a TTL, so that a Redis evicting under ``maxmemory``
+(``volatile-lru`` takes only keys with a TTL) takes cached results, never a request's state: a
+waiter set is created without one (FINISH deletes it), and a result is written without one until
+its first read (``GETEX ... PX``) gives it its TTL. Each such key is filed in its shard's ``due``
+set, a digest's result as ``r:D``, its waiter set as ``w:D``, with the time after which nobody
+waits on it any more; SWEEP, run by every worker each heartbeat, gives a due result its TTL and
+deletes a due waiter set (every asker's deadline has passed), so nothing stays forever.
+
 Scripts are called by SHA in pipelines (``Script.queue``) and loaded once, again on NOSCRIPT:
 redis-py's own Script objects add a ``SCRIPT EXISTS`` round trip to every pipeline.
 """
@@ -24,22 +32,25 @@ from shared.resp import Commands, RespConnection
 
 SUBMIT = """
 -- One call per shard for every request a producer sends on one event-loop tick.
--- KEYS: the shard's stats hash, its stream. The digests' own keys are named inside: every key
--- of a shard carries the shard's hash tag, so they share the declared keys' slot.
--- ARGV: result and waiters key prefixes (a digest completes each), reply list, waiter ttl ms,
---       max queue, marker, then per request: digest, force, message
+-- KEYS: the shard's stats hash, its stream, its due set. The digests' own keys are named
+-- inside: every key of a shard carries the shard's hash tag, so they share the declared keys'
+-- slot.
+-- ARGV: result and waiters key prefixes (a digest completes each), reply list, wait ms (how
+--       long an asker may wait), max queue, marker, then per request: digest, force, message
 --       (marker: pushed onto the reply list when a request was not queued or joined, so that
 --       a pop of that list queued behind this call returns at once; '' pushes nothing)
 --       (force 1: add the message even if the digest is already queued: a re-submission of a
 --       request whose message Redis may have lost, in a restart or a failover)
--- A digest is queued while its waiter set exists: the first asker creates it (and gives it its
--- first TTL), FINISH deletes it; an asker that finds it joins.
+-- A digest is queued while its waiter set exists: the first asker creates it (without a TTL,
+-- due when the last asker's wait ends), FINISH deletes it; an asker that finds it joins.
 -- Returns one code per request: 1 the result exists, 0 queued or joined, 2 the queue is full.
 local res, wait = ARGV[1], ARGV[2]
 local reply, wttl, maxq, marker = ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local out = {}
 local hits, queued, joined, rejected = 0, 0, 0, 0
 local len = nil
+local t = redis.call('TIME')
+local due = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(wttl)
 for i = 7, #ARGV, 3 do
   local d = ARGV[i]
   local w = wait .. d
@@ -48,10 +59,9 @@ for i = 7, #ARGV, 3 do
     hits = hits + 1
     code = 1
   else
+    local first = redis.call('EXISTS', w) == 0  -- nothing queued it yet
     redis.call('SADD', w, reply)
-    -- a waiter set without a TTL was created by this SADD: nothing queued it yet
-    local first = redis.call('PEXPIRE', w, wttl, 'NX') == 1
-    if not first then redis.call('PEXPIRE', w, wttl, 'GT') end
+    redis.call('ZADD', KEYS[3], 'GT', due, 'w:' .. d)
     if first or ARGV[i + 1] == '1' then
       if len == nil then len = redis.call('XLEN', KEYS[2]) end
       if len >= maxq then
@@ -82,16 +92,19 @@ return out
 
 FINISH = """
 -- One call per shard for a batch of finished digests, run after their results are SET.
--- KEYS: the shard's stats hash (for its slot; the digests' keys share it, see SUBMIT)
+-- KEYS: the shard's stats hash (for its slot; the digests' keys share it, see SUBMIT), its
+--       due set
 -- ARGV: push (1: push each reply here; 0: return the reply lists), reply ttl ms, waiters key
 --       prefix, then per digest: digest, reply
 -- Takes each digest's waiter set: a SUBMIT before the SET is in it, one after finds the result.
+-- (The waiter set leaves the due set with it: it will not stay.)
 local push, ttl, wait = ARGV[1] == '1', ARGV[2], ARGV[3]
 local out = {}
 for i = 4, #ARGV, 2 do
   local w = wait .. ARGV[i]
   local ws = redis.call('SMEMBERS', w)
   redis.call('DEL', w)
+  redis.call('ZREM', KEYS[2], 'w:' .. ARGV[i])
   if push then
     for _, r in ipairs(ws) do
       redis.call('RPUSH', r, ARGV[i + 1])
@@ -103,6 +116,27 @@ for i = 4, #ARGV, 2 do
   end
 end
 return out
+"""
+
+SWEEP = """
+-- The keys of one shard that nobody waits on any more, once due: a result unread by its
+-- askers (they died or gave up) gets its TTL, a waiter set is deleted.
+-- KEYS: the shard's due set (member -> due time, ms on the Redis clock)
+-- ARGV: result and waiters key prefixes, result ttl ms, most to take in this call
+-- Returns how many members it took (a call that takes the most may leave more).
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+for _, m in ipairs(due) do
+  local d = string.sub(m, 3)
+  if string.sub(m, 1, 1) == 'r' then
+    redis.call('PEXPIRE', ARGV[1] .. d, ARGV[3], 'NX')
+  else
+    redis.call('DEL', ARGV[2] .. d)
+  end
+end
+if #due > 0 then redis.call('ZREM', KEYS[1], unpack(due)) end
+return #due
 """
 
 
@@ -194,3 +228,4 @@ async def run_script(redis: Any, script: Script, keys: Sequence[str], args: Sequ
 
 SUBMIT_SCRIPT = Script(SUBMIT)
 FINISH_SCRIPT = Script(FINISH)
+SWEEP_SCRIPT = Script(SWEEP)

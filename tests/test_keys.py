@@ -48,6 +48,7 @@ def _built() -> list[str]:
         k.stream(m, "low", s),
         k.stats(m, s),
         k.result(m, s, d),
+        k.due(m, s),
         k.waiters(m, s, d),
     ]
 

@@ -84,6 +84,7 @@ class PoolWorker:
             "prompt_limit": self.backend.prompt_limit(s.max_prompt_tokens),
             "max_message_bytes": s.max_message_bytes,
             "wire_dtype": s.wire_dtype,
+            "result_ttl_s": s.result_ttl_s,
             "protocol": PROTOCOL_VERSION,
         }
         try:
@@ -200,6 +201,7 @@ class PoolWorker:
                 await self._beat()
                 await self._rebalance()
                 await self.consumer.adapters.sync()
+                await self.consumer.writer.sweep(self.settings.shards)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 

@@ -94,6 +94,7 @@ class Consumer:
         self.reader.now_ms = self.now_ms
         self.batcher = Batcher(backend, settings)
         self.writer = Writer(redis, settings, consumer_name, cluster, self._written)
+        self.writer.now_ms = self.now_ms
         self.compute = Compute(
             backend, settings, self.writer.add, self._stepped, self.now_ms, self._triage
         )

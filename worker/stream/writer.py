@@ -1,7 +1,9 @@
 """Writing answers: results into the shared cache, replies to the waiting producers, acks.
 
 One pipeline per flush (on a ``shared.resp`` connection of its own, on a single Redis without
-TLS): ``SET`` each new result (with its TTL) and one FINISH call per shard (which takes each
+TLS): ``ZADD`` the new results' digests to their shard's due set, ``SET`` each new result
+(without a TTL until its first read or its due time, see ``shared.scripts``) and one FINISH
+call per shard (which takes each
 digest's waiter set and, on a single Redis, pushes the replies), for each megabyte or so of
 results in turn (``finish_groups``: early replies are fetched while later results arrive), the
 dead letters, then ``XACK`` + ``XDEL`` of every entry answered. Entries are acknowledged only in
@@ -26,7 +28,7 @@ from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
 from shared.resp import RespConnection
 from shared.resp import supported as resp_supported
-from shared.scripts import FINISH_SCRIPT, execute, execute_resp
+from shared.scripts import FINISH_SCRIPT, SWEEP_SCRIPT, execute, execute_resp, run_script
 from shared.settings import Settings
 from worker.stream.batcher import Job
 
@@ -38,6 +40,12 @@ WRITE_TIMEOUT_S = 15.0
 socket timeout): dropped, and the write retried on a new one."""
 FINISH_EVERY_BYTES = 1 << 20
 """Results written before the FINISH that answers them (see ``finish_groups``)."""
+UNREAD_KEEP_MS = 30_000
+"""An unread result keeps no TTL this long (or the result TTL, if shorter): its askers read it
+within milliseconds, or after ``LMPOOL_RESEND_S`` (15 s by default) when their reply was
+lost."""
+SWEEP_TAKE = 1000
+"""Digests one SWEEP call takes at most (Lua's ``unpack`` has a limit)."""
 DEAD_LETTERS_KEPT = 10_000
 """Entries the dead-letter stream keeps (approximately), so its memory stays bounded."""
 
@@ -70,6 +78,8 @@ class Writer:
         self._writing: list[Job] = []
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.now_ms: Callable[[], float] = lambda: 0.0
+        """Now on the Redis server's clock (the consumer's)."""
 
     # -- background flushing --------------------------------------------------------------
     def add(self, jobs: list[Job]) -> None:
@@ -106,6 +116,7 @@ class Writer:
     # -- one write ------------------------------------------------------------------------
     async def write(self, jobs: list[Job]) -> None:
         ttl_ms = self.settings.result_ttl_s * 1000
+        due = int(self.now_ms()) + min(ttl_ms, UNREAD_KEEP_MS)  # on the Redis clock
         replies = [self._reply(job) for job in jobs]
         groups = finish_groups(jobs)
         finishes: list[tuple[int, list[int]]] = []
@@ -115,11 +126,16 @@ class Writer:
             finishes.clear()
             for group in groups:
                 by_shard: dict[int, list[int]] = defaultdict(list)
+                new = [jobs[i] for i in group if jobs[i].shared and jobs[i].outcome == "computed"]
+                unread: dict[int, list[Any]] = defaultdict(list)
+                for job in new:
+                    unread[job.shard] += [due, f"r:{job.digest}"]
+                for shard, members in unread.items():  # first: a SET is never left untracked
+                    pipe.execute_command("ZADD", self.keys.due(self.model, shard), *members)
+                for job in new:
+                    pipe.set(self.keys.result(self.model, job.shard, job.digest), job.result)
                 for i in group:
                     job = jobs[i]
-                    if job.shared and job.outcome == "computed":
-                        key = self.keys.result(self.model, job.shard, job.digest)
-                        pipe.set(key, job.result, px=ttl_ms)
                     if job.digest:
                         by_shard[job.shard].append(i)
                 for shard, members in by_shard.items():
@@ -127,7 +143,11 @@ class Writer:
                     args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters]
                     for i in members:
                         args += [jobs[i].digest, replies[i]]
-                    FINISH_SCRIPT.queue(pipe, [self.keys.stats(self.model, shard)], args)
+                    FINISH_SCRIPT.queue(
+                        pipe,
+                        [self.keys.stats(self.model, shard), self.keys.due(self.model, shard)],
+                        args,
+                    )
                     finishes.append((shard, members))
             for job in jobs:
                 if job.dead is not None:
@@ -148,6 +168,27 @@ class Writer:
                         pipe.rpush(reply_list, replies[i])
                         pipe.pexpire(reply_list, ttl_ms)
             await pipe.execute()
+
+    async def sweep(self, shards: int) -> int:
+        """Give their TTL to the unread results that are due and delete the due waiter sets,
+        in every shard (``SWEEP``); returns how many."""
+        ttl_ms = self.settings.result_ttl_s * 1000
+        taken = 0
+        for shard in range(shards):
+            prefixes = self.keys.digest_prefixes(self.model, shard)
+            while True:
+                n = int(
+                    await run_script(
+                        self.redis,
+                        SWEEP_SCRIPT,
+                        [self.keys.due(self.model, shard)],
+                        [*prefixes, ttl_ms, SWEEP_TAKE],
+                    )
+                )
+                taken += n
+                if n < SWEEP_TAKE:
+                    break
+        return taken
 
     @staticmethod
     def _reply(job: Job) -> bytes:
