@@ -3,7 +3,7 @@ FROM python:3.11-slim
 ARG EXTRAS=""
 ARG TORCH="torch"
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md lmpool_harness.py lmpool_harness.pth ./
 COPY shared shared
 COPY worker worker
 COPY producer producer

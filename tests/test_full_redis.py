@@ -27,7 +27,7 @@ VOCAB = 49_152  # 196 KB rows, as a small model's (float32)
 def fill(url: str, value_bytes: int) -> int:
     """Fill a capped Redis with expiring values until it evicts (a cache that has run a
     while); returns how many were written."""
-    r = redis.Redis.from_url(url)
+    r: Any = redis.Redis.from_url(url)
     value = os.urandom(value_bytes)
     n = 0
     try:
@@ -63,7 +63,7 @@ async def test_2000_requests_at_128_in_flight_on_a_full_redis_each_computed_once
                     return await lm.next_token_logprobs(ids)
 
             rows = await asyncio.gather(*(ask(p) for p in prompts))
-        r = redis.Redis.from_url(server.url)
+        r: Any = redis.Redis.from_url(server.url)
         evicted = int(r.info("stats")["evicted_keys"])
         r.close()
         assert await w.wait_counter("computed", 2000) == 2000
@@ -93,7 +93,7 @@ async def test_what_is_awaited_has_no_ttl_and_nothing_stays_forever(
     vocab, model = 2000, "mock-2000"
     workers(redis_url, backend="mock", mock_vocab_size=vocab, mock_delay_ms=400, result_ttl_s=2)
     keys = Keys("lmpool")
-    r = redis.Redis.from_url(redis_url)
+    r: Any = redis.Redis.from_url(redis_url)
     lm = await RemoteLM.connect(redis_url, model=model)
     results, waiter_sets = keys.results(model), keys.results(model).replace(":res:", ":wait:")
     waiting = asyncio.create_task(lm.next_token_logprobs([7, 8]))

@@ -266,3 +266,28 @@ def test_a_sequence_decoded_token_by_token_keeps_a_short_path(
     check(backend, reference, [a, b])
     assert cache.cached_length(a) == len(a) and cache.cached_length(b) == len(b)
     assert cache.measured_bytes() == cache.bytes_used == stored_tokens(cache) * per_token
+
+
+def test_scores_reuse_the_shared_context(model_dir: Path, reference: HFBackend) -> None:
+    """Multiple-choice scores through the cache: each question's context runs once, and every
+    score (greedy flags too) equals the no-cache path's; choices of several lengths, some of
+    one token (their row is the context alone), and duplicates in one batch."""
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    rng = random.Random(5)
+    contexts = [tokens(rng, 40) for _ in range(3)]
+    items = [(ctx, tokens(rng, n)) for ctx in contexts for n in (1, 3, 6, 2)]
+    items.append(items[1])
+    computed = cache.tokens_computed
+    got = backend.score_many(items, None, greedy=True)
+    want = reference.score_many(items, None, greedy=True)
+    for g, w, (_, cont) in zip(got, want, items, strict=True):
+        assert isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)
+        assert g.shape == (len(cont), 2)
+        torch.testing.assert_close(g[:, 0], w[:, 0], atol=ATOL, rtol=0)
+        assert torch.equal(g[:, 1], w[:, 1])
+    # the contexts once, then each choice's own tokens (all but its last token run)
+    once = sum(map(len, contexts)) + sum(len(c) - 1 for _, c in items[:-1])
+    assert cache.tokens_computed - computed <= once + len(items)
+    plain = backend.score(contexts[0], items[2][1], None)
+    torch.testing.assert_close(plain, want[2][:, 0], atol=ATOL, rtol=0)  # type: ignore[index]

@@ -106,8 +106,8 @@ async def test_bad_input_errors_say_what_is_wrong_and_how_to_fix_it(
             await lm.sample([1], 3, eos_token_ids=cast(Any, "</s>"))
         # checked by the worker: the class name is not repeated in the message
         with pytest.raises(InvalidRequest) as caught:
-            await lm.sample([1], 3, [V - 1], temperature=0.0)
-        assert str(caught.value) == "temperature must be > 0, got 0.0"
+            await lm.sample([1], 3, [V - 1], temperature=-1.0)
+        assert str(caught.value) == "temperature must be >= 0 (0: greedy), got -1.0"
 
 
 @pytest.mark.asyncio

@@ -79,7 +79,7 @@ class Work:
     lora: str | None = None
     """LoRA adapter name, or None for the base model."""
     params: dict[str, Any] = field(default_factory=dict)
-    """``sample``: max_tokens, eos, temperature, seed; ``score``: cont."""
+    """``sample``: max_tokens, eos, temperature, seed; ``score``: cont, greedy (optional)."""
     high: bool = True
     """Interactive (True) or offline work: interactive work is stepped first."""
     result: torch.Tensor | None = None
@@ -115,9 +115,10 @@ class Backend(ABC):
     together (sequences join and leave at step boundaries). Engines with a scheduler of their
     own (vLLM) override ``submit`` / ``step`` / ``has_work``.
 
-    Subclasses implement :meth:`logprobs` and :meth:`score`; they may override
-    :meth:`score_many`, :meth:`decode_logprobs`, :meth:`pin_prefix` and :meth:`kv_stats`, whose
-    defaults are correct but do less.
+    Subclasses implement :meth:`logprobs` and :meth:`score` (with ``greedy``: each token's
+    log-prob beside whether it is the argmax of its position, see :func:`with_greedy`); they
+    may override :meth:`score_many`, :meth:`decode_logprobs`, :meth:`pin_prefix` and
+    :meth:`kv_stats`, whose defaults are correct but do less.
     """
 
     name: str = "base"
@@ -162,18 +163,22 @@ class Backend(ABC):
         """Normalized next-token log-probs, ``[len(prompts), vocab_size]``."""
 
     @abstractmethod
-    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
-        """Log-prob of each continuation token given all before it, ``[len(continuation)]``."""
+    def score(
+        self, prompt: list[int], continuation: list[int], lora: str | None, greedy: bool = False
+    ) -> torch.Tensor:
+        """Log-prob of each continuation token given all before it, ``[len(continuation)]``;
+        with ``greedy``, ``[len(continuation), 2]``: log-prob, and 1.0 where the token is the
+        argmax of its position (:func:`with_greedy`)."""
 
     def score_many(
-        self, items: list[tuple[list[int], list[int]]], lora: str | None
+        self, items: list[tuple[list[int], list[int]]], lora: str | None, greedy: bool = False
     ) -> list[torch.Tensor | BaseException]:
         """:meth:`score` of each ``(prompt, continuation)``; backends batch it when they can.
         An item may come back as an exception instead of a tensor (that item failed)."""
         out: list[torch.Tensor | BaseException] = []
         for prompt, cont in items:
             try:
-                out.append(self.score(prompt, cont, lora))
+                out.append(self.score(prompt, cont, lora, greedy))
             except Exception as e:
                 out.append(e)
         return out
@@ -259,10 +264,15 @@ class Backend(ABC):
                 for w, row in zip(batch, rows, strict=True):
                     w.result = row
             elif kind == "score":
-                outs = self.score_many([(w.ids, w.params["cont"]) for w in batch], lora)
+                # one pass for the batch; works that did not ask for the greedy column drop it
+                greedy = any(w.params.get("greedy") for w in batch)
+                items = [(w.ids, w.params["cont"]) for w in batch]
+                outs = self.score_many(items, lora, greedy)
                 for w, out in zip(batch, outs, strict=True):
                     if isinstance(out, BaseException):
                         w.error = out
+                    elif greedy and not w.params.get("greedy"):
+                        w.result = out[:, 0].float().contiguous()
                     else:
                         w.result = out.float()
             elif kind == "cache_kv":
@@ -367,6 +377,16 @@ class Backend(ABC):
         (work,) = self.run([Work("sample", prompt, lora, params)])
         assert work.result is not None
         return [int(t) for t in work.result.tolist()]
+
+
+def with_greedy(rows: torch.Tensor, continuation: list[int]) -> torch.Tensor:
+    """``[n, 2]`` from the ``[n, V]`` log-prob rows of a continuation's positions: each
+    token's log-prob, and 1.0 where it is the row's argmax (``torch.argmax``: the lowest id of
+    a tie), as lm-evaluation-harness's ``is_greedy`` asks."""
+    index = torch.tensor(continuation, device=rows.device)
+    picked = rows.gather(1, index[:, None])[:, 0].float()
+    top = (rows.argmax(dim=-1) == index).float()
+    return torch.stack([picked, top], dim=1).cpu()
 
 
 def draw(logprobs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from shared.registry import ModelDescription
 from shared.tokenizer import byte_tokenizer
-from worker.backends.base import Backend
+from worker.backends.base import Backend, with_greedy
 
 SHARPNESS_LEVELS = 16
 """Distinct sharpness levels (temperatures 1/0.5 .. 1/1.5) of the mock's rows."""
@@ -100,8 +100,12 @@ class MockBackend(Backend):
             self._fill(row, prompt, lora)
         return out
 
-    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+    def score(
+        self, prompt: list[int], continuation: list[int], lora: str | None, greedy: bool = False
+    ) -> torch.Tensor:
         rows = [prompt + continuation[:i] for i in range(len(continuation))]
         self._count(rows[:1])
         lp = torch.stack([self._row(r, lora) for r in rows])
+        if greedy:
+            return with_greedy(lp, continuation)
         return lp.gather(1, torch.tensor(continuation).unsqueeze(1)).squeeze(1)

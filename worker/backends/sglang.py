@@ -21,7 +21,7 @@ import torch
 
 from shared.errors import SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model
+from worker.backends.base import Backend, describe_model, with_greedy
 from worker.backends.model_files import eos_token_ids, model_dir
 
 log = logging.getLogger("lmpool.worker")
@@ -79,9 +79,13 @@ class SGLangBackend(Backend):
         rows = self.engine.batch_next_token_logprobs_sync(prompts)
         return torch.as_tensor(rows).float().cpu()
 
-    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+    def score(
+        self, prompt: list[int], continuation: list[int], lora: str | None, greedy: bool = False
+    ) -> torch.Tensor:
         prefixes = [prompt + continuation[:i] for i in range(len(continuation))]
         rows = self.logprobs(prefixes, lora)
+        if greedy:
+            return with_greedy(rows, continuation)
         return rows.gather(1, torch.tensor(continuation)[:, None])[:, 0]
 
     def close(self) -> None:

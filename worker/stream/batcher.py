@@ -143,10 +143,14 @@ class Batcher:
             check_sample_params(params, backend.info["vocab_size"])
         elif kind == "score":
             cont = params.get("cont")
-            if set(params) != {"cont"} or not isinstance(cont, list) or not cont:
-                raise InvalidRequest("score needs a non-empty continuation and nothing else")
+            if set(params) - {"cont", "greedy"} or not isinstance(cont, list) or not cont:
+                raise InvalidRequest(
+                    "score needs a non-empty continuation and takes only greedy besides"
+                )
+            if not isinstance(params.get("greedy", False), bool):
+                raise InvalidRequest(f"score's greedy must be a bool, got {params['greedy']!r}")
             check_ids(_int_array(cont), backend.info["vocab_size"])
-            extra = len(cont)
+            extra = len(cont) - 1  # the model reads the continuation but its last token
         elif kind == "cache_kv":
             if set(params) - {"pin"} or not isinstance(params.get("pin", True), bool):
                 raise InvalidRequest(f"cache_kv takes only pin (a bool), got {sorted(params)}")
@@ -216,8 +220,8 @@ def check_sample_params(params: dict[str, Any], vocab_size: int) -> None:
         raise InvalidRequest(f"max_tokens must be a non-negative int, got {max_tokens!r}")
     if not isinstance(eos, list) or not all(type(t) is int for t in eos):
         raise InvalidRequest("eos_token_ids must be a list of ints")
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise InvalidRequest(f"temperature must be > 0, got {temperature!r}")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise InvalidRequest(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
     if seed is not None and type(seed) is not int:
         raise InvalidRequest(f"seed must be an int or None, got {seed!r}")
     if set(params) - {"max_tokens", "eos", "temperature", "seed"}:

@@ -12,8 +12,9 @@ from typing import Any, cast
 
 import torch
 
+from shared.errors import InvalidRequest
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model
+from worker.backends.base import Backend, describe_model, with_greedy
 from worker.backends.hf import attention
 from worker.backends.hf.kv_cache import KVCache, UnsupportedModel
 from worker.backends.model_files import eos_token_ids, model_dir
@@ -178,30 +179,48 @@ class HFBackend(Backend):
             return False
         return self.kv_cache.unpin(ids, namespace=lora)
 
-    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
-        (out,) = self.score_many([(prompt, continuation)], lora)
+    def score(
+        self, prompt: list[int], continuation: list[int], lora: str | None, greedy: bool = False
+    ) -> torch.Tensor:
+        (out,) = self.score_many([(prompt, continuation)], lora, greedy)
         if isinstance(out, BaseException):
             raise out
         return out
 
     def score_many(
-        self, items: list[tuple[list[int], list[int]]], lora: str | None
+        self, items: list[tuple[list[int], list[int]]], lora: str | None, greedy: bool = False
     ) -> list[torch.Tensor | BaseException]:
-        """One left-padded forward for every ``(prompt, continuation)``, keeping the logits of
-        the last ``max(len(continuation)) + 1`` positions."""
-        full = [p + c for p, c in items]
-        self._count(full)
-        keep = max(len(c) for _, c in items) + 1
-        logits = self._forward(full, lora, keep=keep)
+        """One forward for every ``(prompt, continuation)``: each row is the prompt and the
+        continuation but its last token, whose last ``len(continuation)`` positions' logits are
+        kept. With the KV cache, only what follows a row's cached prefix runs (the choices of
+        a multiple-choice question share their context); without it, rows are left-padded."""
+        if any(not p for p, _ in items):
+            raise InvalidRequest("score needs a prompt of at least one token")
+        todo = [(p, c) for p, c in items if c]
+        rows = [p + c[:-1] for p, c in todo]
+        tails = [len(c) for _, c in todo]
+        logits = torch.zeros(0)
+        if todo:
+            self._count(rows)
+            if self.kv_cache is None:
+                logits = self._forward(rows, lora, keep=max(tails))
+            else:
+                self._select_adapter(lora)
+                logits = self.kv_cache.tail_logits(rows, tails, namespace=lora)
+        width = max(tails, default=0)
+        found = iter(zip(logits, todo, strict=True))
         out: list[torch.Tensor | BaseException] = []
-        for row, (_, cont) in zip(logits, items, strict=True):
+        for _, cont in items:
             if not cont:
-                out.append(torch.zeros(0))
+                out.append(torch.zeros((0, 2) if greedy else 0))
                 continue
-            picked = row[keep - len(cont) - 1 : keep - 1].float()
-            logp = torch.log_softmax(picked, dim=-1)
-            index = torch.tensor(cont, device=logp.device)[:, None]
-            out.append(logp.gather(1, index)[:, 0].cpu())
+            row, _ = next(found)
+            logp = torch.log_softmax(row[width - len(cont) :].float(), dim=-1)
+            if greedy:
+                out.append(with_greedy(logp, cont))
+            else:
+                index = torch.tensor(cont, device=logp.device)[:, None]
+                out.append(logp.gather(1, index)[:, 0].cpu())
         return out
 
     def close(self) -> None:

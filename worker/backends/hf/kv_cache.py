@@ -60,6 +60,8 @@ class _Plan:
     pieces: list[tuple[torch.Tensor, torch.Tensor, int]]
     path: list[Node]
     """The trie nodes its match went through (touched as used)."""
+    tail: int = 1
+    """How many of its last positions' logits are wanted (a score's continuation)."""
 
     @property
     def new(self) -> int:
@@ -107,10 +109,11 @@ def describe_model(model: Any) -> _Layout:
 class KVCache(KVTrie):
     """Token-trie key/value cache wrapped around a causal LM; see the module docstring.
 
-    ``last_logits`` is the only compute entry point. Counters (cumulative unless noted):
-    ``tokens_requested`` (prompt tokens asked for, duplicates included), ``tokens_reused``
-    (served from the cache or from a duplicate in the same batch), ``tokens_computed`` (run
-    through the model, shared-prefix passes included), ``bytes_used`` and ``entries`` (now).
+    ``last_logits`` and ``tail_logits`` (scores) are the compute entry points. Counters
+    (cumulative unless noted): ``tokens_requested`` (prompt tokens asked for, duplicates
+    included), ``tokens_reused`` (served from the cache or from a duplicate in the same batch),
+    ``tokens_computed`` (run through the model, shared-prefix passes included), ``bytes_used``
+    and ``entries`` (now).
     """
 
     STAT_NAMES = (
@@ -152,6 +155,37 @@ class KVCache(KVTrie):
             self.tokens_requested += sum(map(len, rows))
             self.tokens_reused += sum(map(len, rows)) - sum(map(len, unique))
             logits = self._compute(self._root(namespace), unique, count=True)
+        logits = logits[:, -1]
+        if len(unique) == len(rows):
+            return logits
+        index = {row: i for i, row in enumerate(unique)}
+        return logits[torch.tensor([index[r] for r in rows], device=logits.device)]
+
+    def tail_logits(
+        self, prompts: Sequence[Sequence[int]], tails: Sequence[int], namespace: Hashable = None
+    ) -> torch.Tensor:
+        """Logits at the last ``tails[i]`` positions of each prompt, ``[len(prompts), T, vocab]``
+        with ``T = max(tails)``, each row's positions right-aligned (``[i, T - tails[i]:]``).
+
+        A score's rows: prompt + continuation but its last token, the continuation's length as
+        tail. Only the positions past the deepest cached prefix run, so the choices of one
+        multiple-choice question compute their shared context once.
+        """
+        rows = [tuple(p) for p in prompts]
+        if len(rows) != len(tails) or not all(
+            0 < t <= len(r) for r, t in zip(rows, tails, strict=True)
+        ):
+            raise ValueError("every prompt needs at least its tail's number of tokens (>= 1)")
+        with self._lock:
+            want: dict[Row, int] = {}
+            for row, tail in zip(rows, tails, strict=True):
+                want[row] = max(want.get(row, 0), tail)
+            unique = list(want)
+            self.tokens_requested += sum(map(len, rows))
+            self.tokens_reused += sum(map(len, rows)) - sum(map(len, unique))
+            logits = self._compute(self._root(namespace), unique, True, [want[r] for r in unique])
+        width = max(tails)
+        logits = logits[:, logits.shape[1] - width :]
         if len(unique) == len(rows):
             return logits
         index = {row: i for i, row in enumerate(unique)}
@@ -186,18 +220,29 @@ class KVCache(KVTrie):
             return {name: int(getattr(self, name)) for name in self.STAT_NAMES}
 
     # -- compute ------------------------------------------------------------------------
-    def _compute(self, root: Node, rows: list[Row], count: bool = False) -> torch.Tensor:
-        """Last-position logits of unique ``rows``, ``[len(rows), vocab]``; stores their
-        key/values on the way.
+    def _compute(
+        self,
+        root: Node,
+        rows: list[Row],
+        count: bool = False,
+        tails: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits of the last ``tails[i]`` positions (default 1) of unique ``rows``,
+        ``[len(rows), max(tails), vocab]`` right-aligned; stores their key/values on the way.
 
         ``count``: add the reused tokens to ``tokens_reused`` (requests, not internal passes).
         """
-        plans = [self._plan(root, row) for row in rows]
+        tails = tails or [1] * len(rows)
+
+        def plan_all() -> list[_Plan]:
+            return [self._plan(root, row, tail) for row, tail in zip(rows, tails, strict=True)]
+
+        plans = plan_all()
         # A row with this much to run may share an uncached prefix with another: such prefixes
         # are computed once first, then the rows are planned again.
         long = len(rows) > 1 and any(p.new >= SHARE_MIN_TOKENS for p in plans)
         if long and self._prefill_shared(root, rows):
-            plans = [self._plan(root, row) for row in rows]
+            plans = plan_all()
         for p in plans:
             self._touch(p.path)
         if count:
@@ -208,20 +253,21 @@ class KVCache(KVTrie):
             self._evict()
             return logits
         position = {id(p): i for i, p in enumerate(plans)}
+        width = max(tails)
         out: torch.Tensor | None = None
         for group in groups:
             logits = self._forward(root, group)
             self._evict()
             if out is None:
-                out = logits.new_empty((len(plans), logits.shape[-1]))
+                out = logits.new_empty((len(plans), width, logits.shape[-1]))
             index = torch.tensor([position[id(p)] for p in group], device=logits.device)
-            out[index] = logits
+            out[index, width - logits.shape[1] :] = logits
         assert out is not None
         return out
 
-    def _plan(self, root: Node, row: Row) -> _Plan:
+    def _plan(self, root: Node, row: Row, tail: int = 1) -> _Plan:
         depth, path = self._match(root, row)
-        cached = min(depth, len(row) - 1)  # the last token runs anyway: its logits are needed
+        cached = min(depth, len(row) - tail)  # the tail runs anyway: its logits are needed
         pieces, left = [], cached
         for node, k in path:
             if left <= 0:
@@ -230,7 +276,7 @@ class KVCache(KVTrie):
             take = min(k, left)
             pieces.append((node.keys, node.values, take))
             left -= take
-        return _Plan(row, cached, pieces, [n for n, _ in path])
+        return _Plan(row, cached, pieces, [n for n, _ in path], tail)
 
     def _prefill_shared(self, root: Node, rows: list[Row]) -> bool:
         """Run once the uncached prefixes that several rows share, before the rows themselves;
@@ -249,8 +295,9 @@ class KVCache(KVTrie):
         return bool(shared)
 
     def _forward(self, root: Node, plans: list[_Plan]) -> torch.Tensor:
-        """One padded forward over ``plans``; stores the new key/values, returns their last
-        logits, ``[len(plans), vocab]``."""
+        """One padded forward over ``plans``; stores the new key/values, returns the logits of
+        their last ``T = max(tail)`` positions, ``[len(plans), T, vocab]`` (a row's positions
+        right-aligned; where it has fewer new tokens than ``T``, the first are filler)."""
         lay = self.layout
         rows, past, width = len(plans), max(p.cached for p in plans), max(p.new for p in plans)
         # Built for all rows at once (a loop over rows cost ~20 us a row, 1.3 ms of an SMC
@@ -275,9 +322,12 @@ class KVCache(KVTrie):
         self._gather(plans, past, buf_k, buf_v)
         cache = DynamicCache(config=self.config)
         cache.layers = [_FilledLayer(buf_k[n], buf_v[n], past) for n in range(lay.layers)]
-        last = [p.new - 1 for p in plans]
-        kept = sorted(set(last))
-        keep: int | torch.Tensor = 1 if kept == [width - 1] else torch.tensor(kept)
+        tail = max(p.tail for p in plans)
+        # the positions whose logits are wanted, per row (clamped at 0: filler)
+        wanted = [[max(p.new - tail + t, 0) for t in range(tail)] for p in plans]
+        kept = sorted({j for w in wanted for j in w})
+        same = all(p.new == width for p in plans)  # then the last ``tail`` columns, as they are
+        keep: int | torch.Tensor = tail if same else torch.tensor(kept)
         column = {pos: j for j, pos in enumerate(kept)} if isinstance(keep, torch.Tensor) else None
         with torch.inference_mode():
             out = self.model(
@@ -299,9 +349,9 @@ class KVCache(KVTrie):
         self.tokens_computed += sum(p.new for p in plans)
         logits = out.logits
         if column is None:
-            return cast(torch.Tensor, logits[:, -1])
-        picked = torch.tensor([column[n] for n in last], device=logits.device)
-        return cast(torch.Tensor, logits[torch.arange(rows, device=logits.device), picked])
+            return cast(torch.Tensor, logits)
+        picked = torch.tensor([[column[j] for j in w] for w in wanted], device=logits.device)
+        return cast(torch.Tensor, logits[torch.arange(rows, device=logits.device)[:, None], picked])
 
     def _gather(
         self, plans: list[_Plan], past: int, buf_k: torch.Tensor, buf_v: torch.Tensor

@@ -299,15 +299,19 @@ class VLLMBackend(Backend):
             block = block[torch.tensor(slots)]
         return block
 
-    def score(self, prompt: list[int], continuation: list[int], lora: str | None) -> torch.Tensor:
+    def score(
+        self, prompt: list[int], continuation: list[int], lora: str | None, greedy: bool = False
+    ) -> torch.Tensor:
         if not prompt:
             raise InvalidRequest("score needs a prompt of at least one token")
-        (work,) = self.run([Work("score", list(prompt), lora, {"cont": list(continuation)})])
+        (work,) = self.run([Work("score", list(prompt), lora, score_params(continuation, greedy))])
         assert work.result is not None
         return work.result
 
-    def score_many(self, items: list[tuple[list[int], list[int]]], lora: str | None) -> list[Any]:
-        works = [Work("score", list(p), lora, {"cont": list(c)}) for p, c in items]
+    def score_many(
+        self, items: list[tuple[list[int], list[int]]], lora: str | None, greedy: bool = False
+    ) -> list[Any]:
+        works = [Work("score", list(p), lora, score_params(c, greedy)) for p, c in items]
         self.submit(works)
         waiting = {id(w) for w in works}
         while waiting:
@@ -394,3 +398,11 @@ class VLLMBackend(Backend):
             pass
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def score_params(continuation: list[int], greedy: bool) -> dict[str, Any]:
+    """A score work's parameters, as the worker's request carries them."""
+    params: dict[str, Any] = {"cont": list(continuation)}
+    if greedy:
+        params["greedy"] = True
+    return params

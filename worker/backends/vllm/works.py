@@ -7,6 +7,9 @@
   batch); only the caller's EOS ids stop it, and the EOS is not returned.
 - ``score``: ``prompt_logprobs=0`` (``log_softmax`` in float32 of the same logits at every
   prompt position; such requests skip reading the prefix cache); several run in one step.
+  With ``greedy``, a token is the argmax of its position when vLLM ranks it 1 (vLLM's rank
+  counts the ids whose log-prob is >= the token's, so on an exact tie no token is greedy,
+  where ``torch.argmax`` picks the lowest id).
 - ``cache_kv``: a prefill (``max_tokens=1``) that leaves the prompt's blocks in vLLM's prefix
   cache, evictable like any other; 1 when prefix caching is on.
 """
@@ -56,7 +59,7 @@ def sampling_params(work: Work, tag: str, capture_key: str, prefix_caching: bool
         )
     if work.kind == "score":
         if not list(work.params["cont"]):
-            work.result = torch.zeros(0)
+            work.result = torch.zeros((0, 2) if work.params.get("greedy") else 0)
             return None
         return SamplingParams(
             max_tokens=1,
@@ -95,8 +98,12 @@ def output_result(work: Work, output: Any, prefix_caching: bool) -> torch.Tensor
     if work.kind == "score":
         full = work.ids + list(work.params["cont"])
         positions = output.prompt_logprobs
-        values = [positions[i][full[i]].logprob for i in range(len(work.ids), len(full))]
-        return torch.tensor(values, dtype=torch.float32)
+        picked = [positions[i][full[i]] for i in range(len(work.ids), len(full))]
+        values = torch.tensor([p.logprob for p in picked], dtype=torch.float32)
+        if not work.params.get("greedy"):
+            return values
+        top = torch.tensor([float(p.rank == 1) for p in picked], dtype=torch.float32)
+        return torch.stack([values, top], dim=1)
     return torch.tensor([int(prefix_caching)], dtype=torch.int64)
 
 
