@@ -3,8 +3,9 @@
 - ``redis``: redis-py, for SUBMIT calls and small commands;
 - ``listen``: redis-py with a socket timeout past the longest blocking pop, for the reply
   listener's ``BLMPOP``;
-- on a single Redis without TLS, two ``shared.resp`` connections: one for the one-round-trip
-  pipeline of a lone request, one for reading results. Both receive each row into a buffer of
+- on a single Redis without TLS, three ``shared.resp`` connections: one for the SUBMIT calls
+  of each tick, one for the one-round-trip pipeline of a lone request, one for reading
+  results. Both receive each row into a buffer of
   its own that becomes the caller's tensor (redis-py copies a reply five times); elsewhere
   (TLS, a cluster) redis-py serves both.
 """
@@ -15,10 +16,11 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from producer.submit import LISTEN_BLOCK_S
+from producer.submit import LISTEN_BLOCK_S, Prepared, Submitter
 from shared.redis_conn import AnyRedis, connect_redis
 from shared.resp import RespConnection
 from shared.resp import supported as resp_supported
+from shared.scripts import SUBMIT_SCRIPT, call_resp
 
 
 class LoopConnections:
@@ -28,6 +30,15 @@ class LoopConnections:
         direct = single and resp_supported(url)
         self.whole = RespConnection(url) if direct else None
         self.fetch = RespConnection(url) if direct else None
+        self.submits = RespConnection(url) if direct else None
+
+    async def submit(self, calls: list[tuple[list[Prepared], list[str], list[Any]]]) -> list[Any]:
+        """Run SUBMIT ``calls`` (``Submitter.calls``): one answer (or error) per call."""
+        if self.submits is None:
+            return await Submitter.run(self.redis, calls)
+        return await call_resp(
+            self.submits, SUBMIT_SCRIPT, [(k, a) for _, k, a in calls], LISTEN_BLOCK_S + 10
+        )
 
     async def run_whole(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """A lone request's pipeline (it blocks in a pop); replies with errors in place."""
@@ -68,7 +79,7 @@ class LoopConnections:
         for client in (self.redis, self.listen):
             with contextlib.suppress(Exception):
                 await client.aclose()
-        for conn in (self.whole, self.fetch):
+        for conn in (self.whole, self.fetch, self.submits):
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.aclose()

@@ -201,7 +201,7 @@ class LoopState:
             p.force = False
         calls = self.submitter.calls(items)
         try:
-            answers = await Submitter.run(self.redis, calls)
+            answers = await self.conns.submit(calls)
         except TRANSIENT as e:
             await self._unreachable(batch, e)
             return

@@ -216,6 +216,33 @@ async def execute_resp(
     raise AssertionError("unreachable")
 
 
+async def call_resp(
+    conn: RespConnection,
+    script: Script,
+    calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+    timeout_s: float,
+) -> list[Any]:
+    """``script`` once for each ``(keys, args)`` of ``calls``, in one pipeline on ``conn``
+    (packed by ``shared.resp``, several times cheaper than redis-py's packing of a SUBMIT's
+    arguments); one answer each, an error reply in its place. The calls that met NOSCRIPT run
+    again once the script is loaded."""
+    commands = [["EVALSHA", script.sha, len(keys), *keys, *args] for keys, args in calls]
+    answers = await conn.execute(commands, timeout_s)
+    missing = [i for i, a in enumerate(answers) if _noscript(a)]
+    if missing:
+        (loaded,) = await conn.execute([["SCRIPT", "LOAD", script.source]], timeout_s)
+        if isinstance(loaded, ResponseError):
+            raise loaded
+        again = await conn.execute([commands[i] for i in missing], timeout_s)
+        for i, answer in zip(missing, again, strict=True):
+            answers[i] = answer
+    return answers
+
+
+def _noscript(answer: Any) -> bool:
+    return isinstance(answer, ResponseError) and str(answer).startswith("NOSCRIPT")
+
+
 async def run_script(redis: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """One script call outside a pipeline (cheaper for a single command); loads it on
     NOSCRIPT."""
