@@ -81,7 +81,7 @@ async def test_bad_input_is_a_clear_error_and_the_worker_carries_on(
         with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'nope'"):
             await lm.next_token_logprobs([1], lora_name="nope")
         with pytest.raises(InvalidRequest, match="temperature"):
-            await lm.sample([1], 3, [V - 1], temperature=0.0)
+            await lm.sample([1], 3, [V - 1], temperature=-1.0)
         assert torch.equal(await lm.next_token_logprobs([1]), reference([1]))
 
 

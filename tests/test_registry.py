@@ -19,6 +19,7 @@ def test_model_meta_adds_only_pool_wide_fields() -> None:
         "backend",
         "max_queue",
         "shards",
+        "result_ttl_s",
         "affinity_tokens",
         "prompt_limit",
         "max_message_bytes",
