@@ -108,23 +108,9 @@ def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any
 def fill_cache(url: str, value_bytes: int) -> int:
     """Fill a capped Redis with expiring values of ``value_bytes`` until it evicts (they go
     first, being the least recently used); returns how many were written."""
-    import redis
+    from localpool.redis_server import fill_until_evicting
 
-    r = redis.Redis.from_url(url)
-    value = os.urandom(value_bytes)
-    n = 0
-    try:
-        while True:
-            stats: Any = r.info("stats")
-            if stats["evicted_keys"]:  # full once Redis has evicted one
-                return n
-            pipe = r.pipeline(transaction=False)
-            for _ in range(64):
-                pipe.set(f"bench:fill:{n}", value, px=3_600_000)
-                n += 1
-            pipe.execute()
-    finally:
-        r.close()
+    return fill_until_evicting(url, value_bytes, "bench:fill")
 
 
 def command_line() -> str:

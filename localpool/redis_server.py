@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 MIN_VERSION = (7, 0)
 
@@ -224,6 +225,26 @@ class RedisServer:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.cleanup()
+
+
+def fill_until_evicting(url: str, value_bytes: int, key_prefix: str) -> int:
+    """Fill a capped Redis with expiring values of ``value_bytes`` (keys ``key_prefix:N``, an
+    hour's TTL) until it evicts one: a cache that has run a while. Returns how many it wrote."""
+    import redis
+
+    r: Any = redis.Redis.from_url(url)
+    value = os.urandom(value_bytes)
+    n = 0
+    try:
+        while not r.info("stats")["evicted_keys"]:
+            pipe = r.pipeline(transaction=False)
+            for _ in range(64):
+                pipe.set(f"{key_prefix}:{n}", value, px=3_600_000)
+                n += 1
+            pipe.execute()
+    finally:
+        r.close()
+    return n
 
 
 def pid_alive(pid: int) -> bool:

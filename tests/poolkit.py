@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,15 @@ import torch
 from localpool import launch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+async def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``check`` every 50 ms until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
 
 
 class WorkerProcess(launch.WorkerProcess):

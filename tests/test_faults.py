@@ -19,6 +19,7 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
+from poolkit import wait_until
 
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
@@ -51,14 +52,6 @@ def pending_count(url: str) -> int:
         return total
     finally:
         r.close()
-
-
-async def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.asyncio

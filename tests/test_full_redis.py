@@ -6,40 +6,21 @@ newest key there, and must reach its asker without being computed again."""
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 import torch
+from poolkit import wait_until
 
-from localpool.redis_server import RedisServer
+from localpool.redis_server import RedisServer, fill_until_evicting
 from producer import RemoteLM
 from shared.keys import Keys
 from shared.scripts import SUBMIT_SCRIPT
 from worker.backends.mock import MockBackend
 
 VOCAB = 49_152  # 196 KB rows, as a small model's (float32)
-
-
-def fill(url: str, value_bytes: int) -> int:
-    """Fill a capped Redis with expiring values until it evicts (a cache that has run a
-    while); returns how many were written."""
-    r: Any = redis.Redis.from_url(url)
-    value = os.urandom(value_bytes)
-    n = 0
-    try:
-        while not r.info("stats")["evicted_keys"]:
-            pipe = r.pipeline(transaction=False)
-            for _ in range(32):
-                pipe.set(f"filler:{n}", value, px=3_600_000)
-                n += 1
-            pipe.execute()
-    finally:
-        r.close()
-    return n
 
 
 @pytest.mark.asyncio
@@ -51,7 +32,7 @@ async def test_2000_requests_at_128_in_flight_on_a_full_redis_each_computed_once
     while, and the worker computing each request exactly once."""
     with RedisServer(maxmemory_mb=64, maxmemory_policy="volatile-lru") as server:
         w = workers(server.url, backend="mock", mock_vocab_size=VOCAB)
-        filled = fill(server.url, 4 * VOCAB)
+        filled = fill_until_evicting(server.url, 4 * VOCAB, "filler")
         assert filled > 200
         async with await RemoteLM.connect(server.url, model=f"mock-{VOCAB}") as lm:
             lm.cache.clear()
@@ -73,14 +54,6 @@ async def test_2000_requests_at_128_in_flight_on_a_full_redis_each_computed_once
     backend = MockBackend(VOCAB)
     for p, row in zip(prompts, rows, strict=True):
         assert torch.equal(row, backend.logprobs([p], None)[0])
-
-
-async def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.asyncio
