@@ -368,12 +368,19 @@ def run_reported(
 ) -> int:
     """``asyncio.run(run(args, report))`` with the report headed, closed, and SIGTERM turned
     into cleanup; the ``main`` of every benchmark script."""
+    return run_reported_sync(lambda a, r: asyncio.run(run(a, r)), args, header)
+
+
+def run_reported_sync(
+    run: Callable[[Any, Report], None], args: Any, header: tuple[str, ...] = ()
+) -> int:
+    """:func:`run_reported` for a ``run`` that is not a coroutine."""
     report = Report(args.out, getattr(args, "append", False))
     for line in header:
         report.line(line)
     try:
         with cleanup_on_signal():
-            asyncio.run(run(args, report))
+            run(args, report)
     finally:
         report.close()
     return 0

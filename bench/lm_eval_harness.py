@@ -214,12 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = Report(args.out, args.append)
-    try:
-        run(args, report)
-    finally:
-        report.close()
-    return 0
+    return benchkit.run_reported_sync(run, args)
 
 
 if __name__ == "__main__":

@@ -296,15 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     benchkit.output_args(parser)
     args = parser.parse_args(argv)
-    report = Report(args.out, args.append)
-    report.line(poolbench.SHARED_NOTE)
-    report.line(poolbench.code_version())
-    try:
-        with benchkit.cleanup_on_signal():
-            run(args, report)
-    finally:
-        report.close()
-    return 0
+    header = (poolbench.SHARED_NOTE, poolbench.code_version())
+    return benchkit.run_reported_sync(run, args, header)
 
 
 if __name__ == "__main__":
