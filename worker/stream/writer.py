@@ -4,14 +4,14 @@ One pipeline per flush (on a ``shared.resp`` connection of its own, on a single 
 TLS): ``ZADD`` the new results' digests to their shard's due set, ``SET`` each new result
 (without a TTL until its first read or its due time, see ``shared.scripts``) and one FINISH
 call per shard (which takes each digest's waiter set and, on a single Redis, pushes the
-replies), for each megabyte or so of
-results in turn (``finish_groups``: early replies are fetched while later results arrive), the
-dead letters, then ``XACK`` + ``XDEL`` of every entry answered. Entries are acknowledged only in
-the pipeline that wrote their answers, so a crash before it leaves them pending for another
-worker to reclaim; a crash after FINISH but before a cluster's second pipeline (the replies,
-which live in other slots) leaves the results in the cache, where the producers' re-submission
-finds them. Flushes run one at a time in the background, each taking whatever finished while
-the previous one ran, so compute never waits for Redis.
+replies), for each megabyte or so of results in turn (``finish_groups``: early replies are
+fetched while later results arrive), the dead letters, then ``XACK`` + ``XDEL`` of every entry
+answered. Entries are acknowledged only in the pipeline that wrote their answers, so a crash
+before it leaves them pending for another worker to reclaim; a crash after FINISH but before a
+cluster's second pipeline (the replies, which live in other slots) leaves the results in the
+cache, where the producers' re-submission finds them. Flushes run one at a time in the
+background, each taking whatever finished while the previous one ran, so compute never waits
+for Redis.
 """
 
 from __future__ import annotations
