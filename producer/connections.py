@@ -1,13 +1,14 @@
 """The Redis connections of one event loop's state (``producer.loop``), opened in that loop.
 
-- ``redis``: redis-py, for SUBMIT calls and small commands;
+- ``redis``: redis-py, for small commands, and SUBMIT calls where no ``shared.resp``
+  connection serves them;
 - ``listen``: redis-py with a socket timeout past the longest blocking pop, for the reply
   listener's ``BLMPOP``;
 - on a single Redis without TLS, three ``shared.resp`` connections: one for the SUBMIT calls
-  of each tick, one for the one-round-trip pipeline of a lone request, one for reading
-  results. Both receive each row into a buffer of
-  its own that becomes the caller's tensor (redis-py copies a reply five times); elsewhere
-  (TLS, a cluster) redis-py serves both.
+  of each tick (packed several times cheaper than by redis-py), one for the one-round-trip
+  pipeline of a lone request, one for reading results. The last two receive each row into a
+  buffer of its own that becomes the caller's tensor (redis-py copies a reply five times);
+  elsewhere (TLS, a cluster) redis-py serves all three.
 """
 
 from __future__ import annotations
