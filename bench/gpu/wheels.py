@@ -258,8 +258,8 @@ def pack(engine: str, part_bytes: int, leave_out: list[str]) -> None:
             if key in chosen and chosen[key][1].name != wheel.name:
                 conflicts.append(f"{key}: {chosen[key][1].name} ({chosen[key][0]}) vs {wheel.name}")
             chosen.setdefault(key, (name, wheel))
-    if left - found:
-        raise SystemExit(f"{engine}: --leave-out names no wheel of the pack: {sorted(left - found)}")
+    if unknown := sorted(left - found):
+        raise SystemExit(f"{engine}: --leave-out names no wheel of the pack: {unknown}")
     if conflicts:
         raise SystemExit(f"{engine}: two versions of a package in one --target: {conflicts}")
     wheels = sorted((w for _, w in chosen.values()), key=lambda p: p.name)
