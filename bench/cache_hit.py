@@ -134,7 +134,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             # the SUBMIT script's KEYS for a hit: its own counter, not the pool's
             submit_keys = ["bench:stats", keys.stream(model, "high", shard)]
             submit_args: list[Any] = [*keys.digest_prefixes(model, shard), keys.reply("bench")]
-            submit_args += [60_000, 100_000, b"", digest, 0, b"unused"]
+            submit_args += [60_000, 100_000, b"", b"", digest, 0, b"unused"]
 
             async def get_decode(_: object) -> torch.Tensor:
                 return protocol.decode_result(await raw.get(result_key))

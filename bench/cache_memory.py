@@ -61,7 +61,7 @@ class Paths:
 
     def pool(self) -> None:
         digests = [uuid.uuid4().hex for _ in range(BATCH)]
-        args: list[Any] = [self.res, self.wait, self.reply, self.ttl_ms, 10**9, b""]
+        args: list[Any] = [self.res, self.wait, self.reply, self.ttl_ms, 10**9, b"", b""]
         for d in digests:
             args += [d, 0, self.message]
         self.r.evalsha(SUBMIT_SCRIPT.sha, 3, self.stats, self.stream, self.due, *args)

@@ -132,6 +132,7 @@ class Producer:
         min_requests: int = 0,
         max_s: float = 600.0,
         timeout_s: float = 120.0,
+        tenant: str = "",
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="lmpool-bench-producer-"))
         self.stop_file = self.dir / "stop"
@@ -151,6 +152,7 @@ class Producer:
             "--timeout-s", str(timeout_s),
             "--stop-file", str(self.stop_file),
             "--out", str(self.out_file),
+            "--tenant", tenant,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -253,7 +255,12 @@ async def produce(args: argparse.Namespace) -> dict[str, Any]:
     from shared.errors import LMPoolError
     from shared.settings import Settings
 
-    settings = Settings(redis_url=args.redis_url, timeout_s=args.timeout_s, connect_timeout_s=30)
+    settings = Settings(
+        redis_url=args.redis_url,
+        timeout_s=args.timeout_s,
+        connect_timeout_s=30,
+        tenant=args.tenant,
+    )
     lm = await RemoteLM.connect(
         model=args.model, cache_size=0, priority=args.priority, settings=settings
     )
@@ -310,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--stop-file", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--tenant", default="", help="LMPOOL_TENANT (empty: none)")
     args = parser.parse_args(argv)
     with benchkit.cleanup_on_signal():
         summary = asyncio.run(produce(args))

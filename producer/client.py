@@ -33,7 +33,14 @@ class PoolClient:
     def __init__(
         self, settings: Settings, model: str, priority: str = "high", clock_offset_ms: float = 0.0
     ) -> None:
-        self.target = Target(settings, model, priority, uuid.uuid4().hex, clock_offset_ms)
+        self.target = Target(
+            settings,
+            model,
+            priority,
+            uuid.uuid4().hex,
+            tenant=settings.tenant,
+            clock_offset_ms=clock_offset_ms,
+        )
         """What each loop's and thread's state knows of the pool (never this client)."""
         self._lock = threading.Lock()
         self._loops: dict[asyncio.AbstractEventLoop, LoopState] = {}

@@ -7,9 +7,11 @@ import asyncio
 import time
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from shared import registry
-from shared.errors import NoWorker
-from shared.keys import Keys
+from shared.errors import NoWorker, SettingsError
+from shared.keys import Keys, check_tenant
 from shared.redis_conn import connect_redis, connect_redis_sync, is_cluster_async
 from shared.registry import ModelMeta
 from shared.settings import Settings
@@ -21,24 +23,66 @@ def resolve_settings(
     model: str | None,
     timeout_s: float | None,
     connect_timeout_s: float | None,
+    tenant: str | None = None,
 ) -> tuple[Settings, str]:
     settings = settings or Settings.from_env()
     changes = {
         "redis_url": redis_url,
         "timeout_s": timeout_s,
         "connect_timeout_s": connect_timeout_s,
+        "tenant": tenant,
     }
     settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
     return settings, model or settings.served_model_name
 
 
-async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, float]:
-    """Metadata of ``model`` once a live worker serves it, and the Redis clock's offset from
-    this host's (ms); ``NoWorker`` after the timeout."""
+def resolve_tenant(asked: str, acl_user: str | None) -> str:
+    """The tenant of a producer that asked for ``asked`` (may be empty) and connected as ACL
+    user ``acl_user`` (None: unknown, the server refused ``ACL WHOAMI``): the ACL user wins,
+    except ``default`` (no ACLs in use); naming another tenant than one's ACL user is an error."""
+    if acl_user in (None, "default"):
+        return asked
+    if asked and asked != acl_user:
+        raise SettingsError(
+            f"tenant {asked!r} asked for, but the producer connects as Redis ACL user "
+            f"{acl_user!r}, and a producer's tenant is its ACL user: leave LMPOOL_TENANT empty "
+            "or connect as that tenant's user"
+        )
+    try:
+        return check_tenant(acl_user)
+    except ValueError as e:
+        raise SettingsError(
+            f"Redis ACL user {acl_user!r} cannot name a tenant ({e}): rename the user"
+        ) from None
+
+
+async def acl_user(redis: Any) -> str | None:
+    """The ACL user of ``redis``' connection, None when the server refuses to say."""
+    try:
+        name = await redis.acl_whoami()
+    except ResponseError:
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def acl_user_sync(redis: Any) -> str | None:
+    """:func:`acl_user`, blocking."""
+    try:
+        name = redis.acl_whoami()
+    except ResponseError:
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, float, str]:
+    """Metadata of ``model`` once a live worker serves it, the Redis clock's offset from
+    this host's (ms) and the producer's tenant (:func:`resolve_tenant`); ``NoWorker`` after
+    the timeout."""
     keys = Keys(settings.key_prefix)
     await is_cluster_async(settings.redis_url)  # asked once per URL, without blocking the loop
     redis = connect_redis(settings.redis_url)
     try:
+        tenant = resolve_tenant(settings.tenant, await acl_user(redis))
         deadline = time.monotonic() + settings.connect_timeout_s
         while True:
             if await registry.live_workers(redis, keys, model):
@@ -47,7 +91,7 @@ async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, flo
                     t0 = time.time()
                     seconds, micros = await redis.time()
                     offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
-                    return meta, offset
+                    return meta, offset, tenant
             if time.monotonic() >= deadline:
                 known = sorted(m.decode() for m in await redis.smembers(keys.models))  # type: ignore[misc]
                 raise _no_worker(settings, model, known)
@@ -56,11 +100,12 @@ async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, flo
         await redis.aclose()
 
 
-def wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, float]:
+def wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, float, str]:
     """:func:`wait_for_model`, blocking."""
     keys = Keys(settings.key_prefix)
     redis = connect_redis_sync(settings.redis_url)
     try:
+        tenant = resolve_tenant(settings.tenant, acl_user_sync(redis))
         deadline = time.monotonic() + settings.connect_timeout_s
         while True:
             alive = redis.zrangebyscore(keys.workers(model), registry.now_ms(), "+inf")
@@ -69,7 +114,7 @@ def wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, floa
                 t0 = time.time()
                 seconds, micros = redis.time()
                 offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
-                return registry.parse_meta(raw), offset
+                return registry.parse_meta(raw), offset, tenant
             if time.monotonic() >= deadline:
                 known = sorted(m.decode() for m in redis.smembers(keys.models))
                 raise _no_worker(settings, model, known)

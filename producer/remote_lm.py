@@ -95,17 +95,22 @@ class RemoteLM(AdapterMethods):
         cache_size: int = 1024,
         priority: str = "high",
         settings: Settings | None = None,
+        tenant: str | None = None,
     ) -> RemoteLM:
         """Connect to the pool and wait for a live worker of ``model``.
 
         Arguments left as None come from ``LMPOOL_*`` variables (``LMPOOL_REDIS_URL``,
         ``LMPOOL_MODEL_NAME`` or ``LMPOOL_MODEL``, ``LMPOOL_TIMEOUT_S``,
-        ``LMPOOL_CONNECT_TIMEOUT_S``). ``timeout_s`` bounds each request; ``priority="low"``
-        sends requests to the offline streams that workers serve after interactive work.
+        ``LMPOOL_CONNECT_TIMEOUT_S``, ``LMPOOL_TENANT``). ``timeout_s`` bounds each request;
+        ``priority="low"`` sends requests to the offline streams that workers serve after
+        interactive work. ``tenant`` names whose requests these are, where Redis ACLs are not
+        used; with ACLs the tenant is the ACL user (``producer.connect.resolve_tenant``).
         """
-        settings, name = resolve_settings(settings, redis_url, model, timeout_s, connect_timeout_s)
-        meta, offset = await wait_for_model(settings, name)
-        return cls._build(settings, name, meta, offset, priority, cache_size)
+        settings, name = resolve_settings(
+            settings, redis_url, model, timeout_s, connect_timeout_s, tenant
+        )
+        meta, offset, tenant = await wait_for_model(settings, name)
+        return cls._build(settings.replace(tenant=tenant), name, meta, offset, priority, cache_size)
 
     @classmethod
     def from_name(
@@ -122,9 +127,10 @@ class RemoteLM(AdapterMethods):
             model_name,
             timeout_s,
             kwargs.pop("connect_timeout_s", None),
+            kwargs.pop("tenant", None),
         )
-        meta, offset = wait_for_model_sync(settings, name)
-        return cls._build(settings, name, meta, offset, **kwargs)
+        meta, offset, tenant = wait_for_model_sync(settings, name)
+        return cls._build(settings.replace(tenant=tenant), name, meta, offset, **kwargs)
 
     @classmethod
     def _build(
@@ -144,6 +150,12 @@ class RemoteLM(AdapterMethods):
         )
         client = PoolClient(settings, name, priority, clock_offset_ms)
         return cls(client, meta, settings.timeout_s, cache_size)
+
+    @property
+    def tenant(self) -> str:
+        """Whose requests these are (``RemoteLM.connect``'s ``tenant``, or the ACL user); empty:
+        no tenant."""
+        return self._client.settings.tenant
 
     # -- vocabularies -------------------------------------------------------------------------
     @property

@@ -67,10 +67,15 @@ class Submitter:
         out = []
         for shard, group in groups.items():
             args: list[Any] = [*c.keys.digest_prefixes(c.model, shard)]
-            args += [self.reply_key, ttl_ms, s.max_queue, marker]
+            args += [self.reply_key, ttl_ms, s.max_queue, marker, c.tenant]
             for p, deadline_ms, force in group:
                 args += [p.digest, int(force), p.message(deadline_ms)]
-            keys = [c.keys.stats(c.model, shard), c.stream_of(shard), c.keys.due(c.model, shard)]
+            keys = [
+                c.keys.stats(c.model, shard),
+                c.stream_of(shard),
+                c.keys.due(c.model, shard),
+                c.keys.tenants(c.model, shard),
+            ]
             out.append(([p for p, _, _ in group], keys, args))
         return out
 

@@ -27,6 +27,8 @@ class Target:
     """``high`` (interactive) or ``low`` (offline): the streams its requests go to."""
     client_id: str
     """Names the producer's reply lists."""
+    tenant: str = ""
+    """Whose requests these are (``producer.connect.resolve_tenant``); empty: no tenant."""
     clock_offset_ms: float = 0.0
     """Redis server time minus this host's time, measured at connect."""
     keys: Keys = field(init=False)
@@ -44,7 +46,7 @@ class Target:
         return ["GETEX", key, "PX", self.settings.result_ttl_s * 1000]
 
     def stream_of(self, shard: int) -> str:
-        return self.keys.stream(self.model, self.priority, shard)
+        return self.keys.stream(self.model, self.priority, shard, self.tenant)
 
     # -- diagnostics ----------------------------------------------------------------------
     async def queue_state(self, redis: AnyRedis) -> str:

@@ -1,6 +1,7 @@
-"""Least-privilege Redis ACL rules for workers and producers of one tenant (key prefix).
+"""Least-privilege Redis ACL rules for workers and producers of one pool (key prefix).
 
 ``python -m shared.acl PREFIX`` prints both rules, ready for ``ACL SETUSER`` or an ACL file;
+``python -m shared.acl PREFIX alice bob`` prints a producer rule per tenant of the pool;
 README's security section shows them, and the tests run the pool under exactly these rules.
 """
 
@@ -16,6 +17,7 @@ PRODUCER_COMMANDS = (
     "getex",  # results (a result's first read gives it its TTL)
     "blmpop",  # replies
     "time",  # the server's clock, for request deadlines
+    "acl|whoami",  # the producer's tenant is its ACL user
     "info",  # whether the server is a cluster node (asked once per connect)
     "zrangebyscore", "hgetall", "smembers", "xpending",  # discovery, error messages
     "scan", "unlink",  # clear_shared_cache
@@ -34,14 +36,35 @@ def worker_rule(user: str, password: str, prefix: str = "lmpool") -> str:
     )
 
 
-def producer_rule(user: str, password: str, prefix: str = "lmpool") -> str:
+TENANT_WRITES = (
+    "{*}:stats", "{*}:due", "{*}:res:*", "{*}:wait:*", "{*}:tenants",  # SUBMIT, results
+    "reply:*", "lora:*", "lorafile:*",  # replies, run-time adapters
+)  # fmt: skip
+"""Keys a tenant's producer writes besides its own streams (``shared.keys``)."""
+
+
+def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool = False) -> str:
     """A producer submits requests and reads replies on its prefix: the commands it sends,
-    no others, and no key outside the prefix (another tenant's keys stay unreadable)."""
+    no others, and no key outside the prefix (another prefix's keys stay unreadable).
+
+    ``tenant``: the user is a tenant of a shared pool (``LMPOOL_TENANT``: a producer's tenant is
+    its ACL user). It reads the whole prefix but writes requests only into its own streams
+    (``P:{M:S}:high:USER``, ``P:{M:S}:low:USER``), so it cannot pass its requests off as
+    another tenant's: Redis refuses them (NOPERM), inside the SUBMIT script too."""
     commands = " ".join(f"+{c}" for c in PRODUCER_COMMANDS)
-    return f"user {user} on >{password} resetkeys ~{prefix}:* resetchannels -@all {commands}"
+    keys = f"~{prefix}:*"
+    if tenant:
+        own = [f"{{*}}:high:{user}", f"{{*}}:low:{user}", *TENANT_WRITES]
+        keys = f"%R~{prefix}:* " + " ".join(f"~{prefix}:{pattern}" for pattern in own)
+    return f"user {user} on >{password} resetkeys {keys} resetchannels -@all {commands}"
 
 
 if __name__ == "__main__":
-    tenant = sys.argv[1] if len(sys.argv) > 1 else "lmpool"
-    print(worker_rule(f"{tenant}-worker", "WORKER_PASSWORD", tenant))
-    print(producer_rule(f"{tenant}-producer", "PRODUCER_PASSWORD", tenant))
+    # python -m shared.acl [PREFIX [TENANT...]]: the rules of a pool, and of its tenants' users
+    prefix = sys.argv[1] if len(sys.argv) > 1 else "lmpool"
+    print(worker_rule(f"{prefix}-worker", "WORKER_PASSWORD", prefix))
+    tenants = sys.argv[2:]
+    if not tenants:
+        print(producer_rule(f"{prefix}-producer", "PRODUCER_PASSWORD", prefix))
+    for name in tenants:
+        print(producer_rule(name, f"{name.upper()}_PASSWORD", prefix, tenant=True))

@@ -32,8 +32,11 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("P:worker:W", "hash", "one worker's description and counters (expires)"),
     ("P:lease:M:S", "string", "id of the worker that owns shard `S` (expires)"),
     ("P:dead:M", "stream", "requests that could not be answered (dead letters)"),
-    ("P:{M:S}:high", "stream", "interactive requests of shard `S`"),
-    ("P:{M:S}:low", "stream", "offline requests of shard `S`"),
+    ("P:{M:S}:high", "stream", "interactive requests of shard `S` (producers with no tenant)"),
+    ("P:{M:S}:low", "stream", "offline requests of shard `S` (producers with no tenant)"),
+    ("P:{M:S}:high:T", "stream", "interactive requests of shard `S` from tenant `T`"),
+    ("P:{M:S}:low:T", "stream", "offline requests of shard `S` from tenant `T`"),
+    ("P:{M:S}:tenants", "set", "tenants that have streams on shard `S`"),
     ("P:{M:S}:stats", "hash", "producer-side counters: cache_hits, queued, joined, rejected"),
     ("P:{M:S}:res:D", "string", "result for content digest `D` (the shared output cache)"),
     ("P:{M:S}:due", "zset", "unread results (`r:D`), waiter sets (`w:D`) -> when due (ms)"),
@@ -45,8 +48,8 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("P:job:J", "hash", "progress of offline job `J` (`score_file`; expires)"),
 )
 """Every key: its pattern (``P`` the prefix, ``M`` a model, ``S`` a shard, ``D`` a digest, ``C``
-a producer connection, ``W`` a worker, ``N`` an adapter, ``H`` a content hash, ``J`` a job),
-its Redis type and what it holds."""
+a producer connection, ``T`` a tenant, ``W`` a worker, ``N`` an adapter, ``H`` a content hash,
+``J`` a job), its Redis type and what it holds."""
 
 
 def key_table() -> str:
@@ -59,7 +62,21 @@ def key_table() -> str:
 GROUP = "lmpool-workers"
 """Consumer group every worker of a model reads through."""
 PRIORITIES = ("high", "low")
-_STREAM = re.compile(r"\{(?P<model>.*):(?P<shard>\d+)\}:(?P<priority>high|low)$")
+_TENANT = r"[A-Za-z0-9_.-]{1,64}"
+_STREAM = re.compile(
+    rf"\{{(?P<model>.*):(?P<shard>\d+)\}}:(?P<priority>high|low)(?::(?P<tenant>{_TENANT}))?$"
+)
+
+
+def check_tenant(name: str) -> str:
+    """``name`` if it can name a tenant (1-64 letters, digits, ``_ . -``; it ends stream keys and
+    ACL key patterns), else ``ValueError`` saying so. Empty means no tenant."""
+    if name and not re.fullmatch(_TENANT, name):
+        raise ValueError(
+            f"tenant {name!r}: use 1-64 letters, digits, '_', '.' or '-' (it becomes part of "
+            "Redis keys and ACL key patterns)"
+        )
+    return name
 
 
 def check_name(kind: str, name: str) -> str:
@@ -76,6 +93,8 @@ class StreamName:
     model: str
     shard: int
     priority: str
+    tenant: str = ""
+    """Empty: the stream of producers with no tenant."""
 
     @property
     def offline(self) -> bool:
@@ -150,24 +169,42 @@ class Keys:
         return self._k("lorafile", model, name, content_hash)
 
     # -- one shard -------------------------------------------------------------------------
-    def stream(self, model: str, priority: str = "high", shard: int = 0) -> str:
+    def stream(self, model: str, priority: str = "high", shard: int = 0, tenant: str = "") -> str:
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+        if tenant:
+            return self._tagged(model, shard, priority, check_tenant(tenant))
         return self._tagged(model, shard, priority)
 
-    def streams(self, model: str, shards: int, priority: str | None = None) -> list[str]:
-        """Request streams of a model: every shard's interactive, then offline stream (or only
-        those of ``priority``)."""
+    def streams(
+        self,
+        model: str,
+        shards: int,
+        priority: str | None = None,
+        tenants: dict[int, list[str]] | None = None,
+    ) -> list[str]:
+        """Request streams of a model: every shard's interactive, then offline streams (or only
+        those of ``priority``); with ``tenants`` (shard -> tenant names, see :meth:`tenants`),
+        each shard's stream of no tenant followed by its tenants' streams."""
         kinds = PRIORITIES if priority is None else (priority,)
-        return [self.stream(model, p, s) for p in kinds for s in range(shards)]
+        return [
+            self.stream(model, p, s, t)
+            for p in kinds
+            for s in range(shards)
+            for t in ["", *(tenants or {}).get(s, [])]
+        ]
+
+    def tenants(self, model: str, shard: int) -> str:
+        """Set of the tenants whose requests have a stream on ``shard`` (SUBMIT adds them)."""
+        return self._tagged(model, shard, "tenants")
 
     def parse_stream(self, name: str | bytes) -> StreamName:
-        """Model, shard and priority of a request stream's name."""
+        """Model, shard, priority and tenant of a request stream's name."""
         text = name.decode() if isinstance(name, bytes) else name
         m = _STREAM.search(text[len(self.prefix) + 1 :])
         if not text.startswith(self.prefix + ":") or m is None:
             raise ValueError(f"{text!r} is not a request stream of prefix {self.prefix!r}")
-        return StreamName(m["model"], int(m["shard"]), m["priority"])
+        return StreamName(m["model"], int(m["shard"]), m["priority"], m["tenant"] or "")
 
     def stats(self, model: str, shard: int) -> str:
         return self._tagged(model, shard, "stats")

@@ -32,26 +32,29 @@ from shared.resp import Commands, RespConnection
 
 SUBMIT = """
 -- One call per shard for every request a producer sends on one event-loop tick.
--- KEYS: the shard's stats hash, its stream, its due set. The digests' own keys are named
--- inside: every key of a shard carries the shard's hash tag, so they share the declared keys'
--- slot.
+-- KEYS: the shard's stats hash, its stream (the tenant's), its due set, its tenants set. The
+-- digests' own keys are named inside: every key of a shard carries the shard's hash tag, so
+-- they share the declared keys' slot.
 -- ARGV: result and waiters key prefixes (a digest completes each), reply list, wait ms (how
---       long an asker may wait), max queue, marker, then per request: digest, force, message
+--       long an asker may wait), max queue, marker, tenant ('' for none: then KEYS[4] is not
+--       touched), then per request: digest, force, message
 --       (marker: pushed onto the reply list when a request was not queued or joined, so that
 --       a pop of that list queued behind this call returns at once; '' pushes nothing)
 --       (force 1: add the message even if the digest is already queued: a re-submission of a
 --       request whose message Redis may have lost, in a restart or a failover)
 -- A digest is queued while its waiter set exists: the first asker creates it (without a TTL,
 -- due when the last asker's wait ends), FINISH deletes it; an asker that finds it joins.
+-- A tenant's counters go into the stats hash twice: the shard's total and '<counter>:<tenant>'.
 -- Returns one code per request: 1 the result exists, 0 queued or joined, 2 the queue is full.
 local res, wait = ARGV[1], ARGV[2]
 local reply, wttl, maxq, marker = ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local tenant = ARGV[7]
 local out = {}
 local hits, queued, joined, rejected = 0, 0, 0, 0
 local len = nil
 local t = redis.call('TIME')
 local due = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(wttl)
-for i = 7, #ARGV, 3 do
+for i = 8, #ARGV, 3 do
   local d = ARGV[i]
   local w = wait .. d
   local code = 0
@@ -79,10 +82,14 @@ for i = 7, #ARGV, 3 do
   end
   out[#out + 1] = code
 end
-if hits > 0 then redis.call('HINCRBY', KEYS[1], 'cache_hits', hits) end
-if queued > 0 then redis.call('HINCRBY', KEYS[1], 'queued', queued) end
-if joined > 0 then redis.call('HINCRBY', KEYS[1], 'joined', joined) end
-if rejected > 0 then redis.call('HINCRBY', KEYS[1], 'rejected', rejected) end
+local counts = {cache_hits = hits, queued = queued, joined = joined, rejected = rejected}
+for name, n in pairs(counts) do
+  if n > 0 then
+    redis.call('HINCRBY', KEYS[1], name, n)
+    if tenant ~= '' then redis.call('HINCRBY', KEYS[1], name .. ':' .. tenant, n) end
+  end
+end
+if queued > 0 and tenant ~= '' then redis.call('SADD', KEYS[4], tenant) end
 if marker ~= '' and hits + rejected > 0 then
   redis.call('RPUSH', reply, marker)
   redis.call('PEXPIRE', reply, wttl)

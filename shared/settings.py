@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from shared.errors import SettingsError
+from shared.keys import check_tenant
 
 ENV_PREFIX = "LMPOOL_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -112,7 +113,16 @@ class Settings:
     max_in_flight: int = 4096
     """Producer: most requests one producer has queued and unanswered at once."""
     max_queue: int = 100_000
-    """Longest request stream; past it new requests fail with ``QueueFull``."""
+    """Longest request stream (each tenant has its own); past it new requests fail with
+    ``QueueFull``."""
+    tenant: str = ""
+    """Producer: the tenant its requests are served and counted as (1-64 letters, digits,
+    ``_ . -``). Empty: the Redis ACL user it connects as, or no tenant for the ``default`` user.
+    Connecting as another ACL user than the named tenant is an error."""
+    tenant_weights: str = "{}"
+    """Worker: JSON object of tenant -> weight, e.g. ``{"alice": 3}``. Tenants with requests
+    waiting share each batch in proportion to their weights (others, and requests with no
+    tenant, weigh 1)."""
     heartbeat_s: float = 2.0
     """Worker heartbeat period; a worker silent for 3 periods counts as dead."""
     claim_after_s: float = 60.0
@@ -178,6 +188,11 @@ class Settings:
             f"LMPOOL_QUANTIZATION must be one of {QUANTIZATIONS}",
         )
         self.engine_kwargs()  # validates the JSON
+        self.weights()
+        try:
+            check_tenant(self.tenant)
+        except ValueError as e:
+            raise SettingsError(f"LMPOOL_TENANT: {e}") from None
         _check(self.kv_cache_mb >= 0, "LMPOOL_KV_CACHE_MB must be >= 0")
         _check(
             0 < self.gpu_memory_utilization <= 1,
@@ -232,6 +247,26 @@ class Settings:
             raise SettingsError(f"LMPOOL_ENGINE_OPTIONS is not JSON: {e}") from None
         _check(isinstance(value, dict), "LMPOOL_ENGINE_OPTIONS must be a JSON object")
         return dict(value)
+
+    def weights(self) -> dict[str, float]:
+        """``LMPOOL_TENANT_WEIGHTS`` parsed: tenant -> weight (> 0)."""
+        try:
+            value = json.loads(self.tenant_weights)
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"LMPOOL_TENANT_WEIGHTS is not JSON: {e}") from None
+        _check(isinstance(value, dict), "LMPOOL_TENANT_WEIGHTS must be a JSON object")
+        out: dict[str, float] = {}
+        for name, weight in value.items():
+            try:
+                check_tenant(name)
+            except ValueError as e:
+                raise SettingsError(f"LMPOOL_TENANT_WEIGHTS: {e}") from None
+            _check(
+                isinstance(weight, int | float) and not isinstance(weight, bool) and weight > 0,
+                f"LMPOOL_TENANT_WEIGHTS: the weight of {name!r} must be a number > 0",
+            )
+            out[name] = float(weight)
+        return out
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

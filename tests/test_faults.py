@@ -181,7 +181,7 @@ async def test_a_dead_lettered_request_answers_its_waiters_and_keeps_little(
     SUBMIT_SCRIPT.load_sync(r)
     code = r.execute_command(
         "EVALSHA", SUBMIT_SCRIPT.sha, 3, KEYS.stats(MODEL, 0), KEYS.stream(MODEL, "high", 0),
-        KEYS.due(MODEL, 0), *prefixes, reply, 60_000, 1000, b"", digest, 0, huge,
+        KEYS.due(MODEL, 0), *prefixes, reply, 60_000, 1000, b"", b"", digest, 0, huge,
     )  # fmt: skip
     assert code == [0]
     popped = cast("tuple[bytes, bytes] | None", r.blpop([reply], timeout=10))

@@ -95,7 +95,7 @@ async def test_what_is_awaited_has_no_ttl_and_nothing_stays_forever(
     SUBMIT_SCRIPT.load_sync(r)
     code = r.execute_command(
         "EVALSHA", SUBMIT_SCRIPT.sha, 3, keys.stats(model, 0), nowhere, keys.due(model, 0),
-        *prefixes, keys.reply("gone"), 300, 1000, b"", orphan, 0, b"message",
+        *prefixes, keys.reply("gone"), 300, 1000, b"", b"", orphan, 0, b"message",
     )  # fmt: skip
     assert code == [0] and r.pttl(keys.waiters(model, 0, orphan)) == -1
     await wait_until(lambda: not r.exists(keys.waiters(model, 0, orphan)), 5, "the sweep")

@@ -12,12 +12,22 @@ from shared.keys import KEY_TABLE, Keys, key_table
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 # A sample value per placeholder of the table's patterns.
-SAMPLE = {"M": "m1", "S": "3", "D": "d" * 40, "C": "c1", "W": "w1", "N": "ad", "H": "h1", "J": "j1"}
+SAMPLE = {
+    "M": "m1",
+    "S": "3",
+    "D": "d" * 40,
+    "C": "c1",
+    "W": "w1",
+    "N": "ad",
+    "H": "h1",
+    "J": "j1",
+    "T": "t1",
+}
 
 
 def _pattern(row: str) -> re.Pattern[str]:
     """A table row's key as a regex over keys built with SAMPLE values and prefix ``pre``."""
-    parts = re.split(r"([PMSDCWNHJ])", row)
+    parts = re.split(r"([PMSDCWNHJT])", row)
     out = ""
     for part in parts:
         if part == "P":
@@ -46,6 +56,9 @@ def _built() -> list[str]:
         k.lora_file(m, SAMPLE["N"], SAMPLE["H"]),
         k.stream(m, "high", s),
         k.stream(m, "low", s),
+        k.stream(m, "high", s, SAMPLE["T"]),
+        k.stream(m, "low", s, SAMPLE["T"]),
+        k.tenants(m, s),
         k.stats(m, s),
         k.result(m, s, d),
         k.due(m, s),

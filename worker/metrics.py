@@ -55,6 +55,21 @@ class Metrics:
             "lmpool_kv_hit_rate", "Prompt tokens reused from the KV cache / tokens requested",
             list(labels), registry=self.registry,
         ).labels(**labels)  # fmt: skip
+        self.tenant_counters = {
+            name: Counter(
+                f"lmpool_tenant_{name}", what, [*labels, "tenant"], registry=self.registry
+            )
+            for name, what in (
+                ("requests", "Requests answered, by tenant ('-': none)"),
+                ("computed", "Distinct requests computed, by tenant"),
+                ("prompt_tokens", "Prompt tokens of the requests computed, by tenant"),
+                ("cache_hits", "Requests answered from the shared cache by the worker, by tenant"),
+                ("wait_s", "Seconds requests waited in their streams, by tenant"),
+                ("compute_s", "Seconds of backend steps (shared equally by rows), by tenant"),
+            )
+        }
+        self._labels = labels
+        self._tenants_seen: dict[tuple[str, str], float] = {}
         self._server: Any = None
 
     def serve(self, port: int) -> None:
@@ -85,6 +100,16 @@ class Metrics:
         for name, n in counts.items():
             if n and name in self.outcome:
                 self.outcome[name].inc(n)
+
+    def observe_tenants(self, tenants: dict[str, dict[str, float]]) -> None:
+        """Bring the per-tenant counters up to the worker's totals (``Stats.tenants``)."""
+        for tenant, counters in tenants.items():
+            for name, counter in self.tenant_counters.items():
+                value = counters.get(name, 0.0)
+                before = self._tenants_seen.get((tenant, name), 0.0)
+                if value > before:
+                    counter.labels(**self._labels, tenant=tenant).inc(value - before)
+                    self._tenants_seen[(tenant, name)] = value
 
     def observe_kv(self, stats: dict[str, int]) -> None:
         self.kv_bytes.set(stats.get("bytes_used", 0))

@@ -134,6 +134,7 @@ class PoolWorker:
             "dead_letters": st.dead_letters,
             "requests_per_s": round(st.per_second(), 2),
             "busy_s": round(st.busy_s, 3),
+            "tenants": {t: {k: round(v, 4) for k, v in c.items()} for t, c in st.tenants.items()},
             "kv": self.kv_stats(),
             "adapters": list(self.backend.info["adapters"]),
             "shards": sorted(self.leases.owned),

@@ -43,7 +43,12 @@ async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
     meta = await registry.read_meta(redis, keys, model)
     streams = {}
     shards = meta["shards"] if meta is not None else 1
-    for stream in keys.streams(model, shards):
+    tenants: dict[int, list[str]] = {}
+    for shard in range(shards):
+        members = await redis.smembers(keys.tenants(model, shard))  # type: ignore[misc]
+        tenants[shard] = sorted(_s(t) for t in members)
+    queued: dict[str, int] = {}
+    for stream in keys.streams(model, shards, tenants=tenants):
         length = await redis.xlen(stream)
         pending = 0
         if length or await redis.exists(stream):
@@ -52,7 +57,14 @@ async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
             except Exception:
                 pending = 0
         name = keys.parse_stream(stream)
-        streams[f"{name.priority}:{name.shard}"] = {"length": length, "pending": pending}
+        if name.tenant:
+            queued[name.tenant] = queued.get(name.tenant, 0) + length
+            if not length and not pending:
+                continue  # a tenant's empty streams: shown in the tenants table
+            label = f"{name.priority}:{name.shard}:{name.tenant}"
+        else:
+            label = f"{name.priority}:{name.shard}"
+        streams[label] = {"length": length, "pending": pending}
     stats: dict[str, int] = {}
     for shard in range(shards):
         raw_stats = await redis.hgetall(keys.stats(model, shard))  # type: ignore[misc]
@@ -72,7 +84,32 @@ async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
         "kv_hit_rate": kv_reused / kv_requested if kv_requested else None,
         "dead_letters": await redis.xlen(keys.dead(model)),
         "producer_counters": stats,
+        "tenants": tenant_table(workers, stats, queued),
     }
+
+
+def tenant_table(
+    workers: list[dict[str, Any]], stats: dict[str, int], queued: dict[str, int]
+) -> dict[str, dict[str, float]]:
+    """Per tenant: the workers' counters summed (``worker.stream.consumer.TENANT_FIELDS``),
+    the producers' cache hits (answered by SUBMIT, before any worker saw them) and requests
+    queued now. Requests with no tenant are under ``-``."""
+    out: dict[str, dict[str, float]] = {}
+    for w in workers:
+        for tenant, counters in (w.get("tenants") or {}).items():
+            row = out.setdefault(tenant, {})
+            for k, v in counters.items():
+                row[k] = row.get(k, 0) + float(v)
+    named_hits = 0
+    for k, v in stats.items():
+        if k.startswith("cache_hits:"):
+            out.setdefault(k.split(":", 1)[1], {})["producer_cache_hits"] = v
+            named_hits += v
+    if stats.get("cache_hits", 0) - named_hits:
+        out.setdefault("-", {})["producer_cache_hits"] = stats["cache_hits"] - named_hits
+    for tenant, n in queued.items():
+        out.setdefault(tenant, {})["queued"] = n
+    return out
 
 
 async def _jobs(redis: AnyRedis, keys: Keys) -> dict[str, dict[str, Any]]:
@@ -103,6 +140,15 @@ def render(data: dict[str, Any]) -> str:
             f"  shared-cache hit rate {_pct(m['shared_cache_hit_rate'])}, "
             f"KV hit rate {_pct(m['kv_hit_rate'])}, dead letters {m['dead_letters']}"
         )
+        for tenant, t in sorted(m.get("tenants", {}).items()):
+            hits = int(t.get("cache_hits", 0) + t.get("producer_cache_hits", 0))
+            lines.append(
+                f"    tenant {tenant}: {int(t.get('requests', 0))} requests, "
+                f"{int(t.get('computed', 0))} computed ({int(t.get('prompt_tokens', 0))} prompt "
+                f"tokens), cache hits {hits}, queue wait {t.get('wait_s', 0):.1f}s, "
+                f"compute {t.get('compute_s', 0):.2f}s, "
+                f"{int(t.get('queued', 0))} queued now"
+            )
         for w in m["workers"]:
             age = data["time"] - float(w.get("heartbeat_at", 0))
             lines.append(

@@ -33,6 +33,14 @@ AHEAD_STEPS = 2
 """Jobs queued or running, in units of ``max_batch``, before the reader waits."""
 
 
+TENANT_FIELDS = ("requests", "computed", "prompt_tokens", "cache_hits", "wait_s", "compute_s")
+"""Per-tenant counters: entries answered, distinct requests computed and their prompt tokens,
+cache hits (found by the worker), seconds entries waited in their streams before this worker
+read them, and seconds of backend steps (each step's time shared equally by its rows)."""
+NO_TENANT = "-"
+"""How requests with no tenant are counted."""
+
+
 @dataclass
 class Stats:
     """Counters published in the heartbeat."""
@@ -46,11 +54,31 @@ class Stats:
     dead_letters: int = 0
     busy_s: float = 0.0
     recent: list[tuple[float, int]] = field(default_factory=list)
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Tenant (``NO_TENANT`` for none) -> ``TENANT_FIELDS`` counters."""
+
+    def tenant(self, name: str) -> dict[str, float]:
+        key = name or NO_TENANT
+        known = self.tenants.get(key)
+        if known is None:
+            known = self.tenants[key] = dict.fromkeys(TENANT_FIELDS, 0.0)
+        return known
 
     def record(self, jobs: list[Job]) -> None:
         n = sum(len(j.entries) for j in jobs)
         self.requests += n
         for job in jobs:
+            # a job merges every entry that asked for its digest: each entry is one request
+            # of its own tenant; the computation is counted once, for the first entry's
+            for entry in job.entries:
+                self.tenant(entry.tenant)["requests"] += 1
+            if job.entries:
+                first = self.tenant(job.entries[0].tenant)
+                if job.outcome == "computed":
+                    first["computed"] += 1
+                    first["prompt_tokens"] += len(job.work.ids) if job.work is not None else 0
+                elif job.outcome == "cache_hit":
+                    first["cache_hits"] += 1
             if job.outcome == "cache_hit":
                 self.cache_hits += 1
             elif job.outcome == "skipped":
@@ -155,11 +183,10 @@ class Consumer:
     # -- reading --------------------------------------------------------------------------
     async def _read_loop(self) -> None:
         backoff = Backoff()
-        capacity = AHEAD_STEPS * self.settings.max_batch
         try:
             while not self._stopping.is_set():
                 self.reader.room.clear()  # before looking, so a change after it wakes us
-                room = capacity - self.compute.outstanding
+                room = AHEAD_STEPS * self.settings.max_batch - self.compute.outstanding
                 if room <= 0:
                     await self.reader.room.wait()
                     continue
@@ -184,7 +211,10 @@ class Consumer:
         await until_done(lambda: self.batcher.triage(self.redis, jobs), self._stopping.is_set)
 
     async def _take(self, entries: list[Entry], alone: bool = False) -> list[Job]:
-        jobs = self.batcher.jobs(entries, self.now_ms(), force_triage=alone)
+        now_ms = self.now_ms()
+        for entry in entries:
+            self.stats.tenant(entry.tenant)["wait_s"] += max(now_ms - entry.added_ms, 0) / 1000
+        jobs = self.batcher.jobs(entries, now_ms, force_triage=alone)
         await self._triage(jobs)
         runtime = {
             j.work.lora for j in jobs if j.work is not None and is_runtime_adapter(j.work.lora)
@@ -255,6 +285,10 @@ class Consumer:
     def _stepped(self, works: list[Work], seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.observe_step(len(works), seconds)
+        for work in works:
+            job = work.tag
+            tenant = job.entries[0].tenant if isinstance(job, Job) and job.entries else ""
+            self.stats.tenant(tenant)["compute_s"] += seconds / len(works)
         if works:
             high = [w.high for w in works]
             self.reader.note_step(any(high), not any(high))
@@ -268,6 +302,7 @@ class Consumer:
         entries = [e for j in jobs for e in j.entries]
         if self.metrics is not None:
             self.metrics.observe_written([e.entry_id for e in entries], [j.outcome for j in jobs])
+            self.metrics.observe_tenants(self.stats.tenants)
         if log.isEnabledFor(logging.DEBUG):
             answered = {j.digest: j.outcome for j in jobs}
             log.debug(

@@ -23,6 +23,7 @@ from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, AnyRedis
 from shared.settings import Settings
 from worker.leases import LeaseKeeper
+from worker.stream.tenants import Shares, read_counts, read_tenants
 
 BLOCK_MS = 1000
 """Longest blocking read: also the longest a stop waits for the reader."""
@@ -36,6 +37,11 @@ CLUSTER_BLOCK_MS = 20
 OFFLINE_SHARE_EVERY = 4
 """...except after this many interactive steps in a row: then offline work may be read, so a
 busy interactive caller never stops a batch job completely."""
+TENANTS_REFRESH_S = 0.1
+"""How often the shards' tenant sets are read while the reader is busy."""
+TENANTS_NEW_MS = 250
+"""Longest blocking read: the streams of a tenant new to a shard are not among those it waits
+on, so the first request of a new tenant waits this long at most (once per shard)."""
 
 
 class ModelState(Protocol):
@@ -66,6 +72,8 @@ class Entry:
     """The digest field (``d``), readable even when ``raw`` is not."""
     shard: int
     offline: bool
+    tenant: str = ""
+    """Whose request it is (from the stream's name); empty: no tenant."""
 
     @property
     def added_ms(self) -> int:
@@ -88,7 +96,10 @@ class Reader:
         self.name = consumer_name
         self.leases = leases
         """None: this reader owns every shard."""
-        self.streams = self.keys.streams(self.model, settings.shards)
+        self.shares = Shares(settings.weights())
+        self.tenants: dict[int, list[str]] = {}
+        """Shard -> the tenants with streams there, as last read (``refresh_tenants``)."""
+        self._tenants_read = -1e9
         self.room = asyncio.Event()
         """Set when the consumer has room for entries again (or stops)."""
         self.now_ms: Callable[[], float] = lambda: time.time() * 1000
@@ -99,19 +110,50 @@ class Reader:
         self._last_interactive = -1e9
         self._offline_after = 0.0
         self._held_back = 0
-        self._named: dict[tuple[str, frozenset[int]], tuple[list[str], list[str]]] = {}
+        self._named: dict[tuple[Any, ...], tuple[list[str], list[str]]] = {}
         self._drained = False
         """A read of the own streams came back short and no step has ended since: reading them
         again before the next step ends would find only what arrived in between."""
 
+    @property
+    def streams(self) -> list[str]:
+        """Every request stream of the model this reader knows: each shard's streams of no
+        tenant and of the tenants seen there."""
+        return self.keys.streams(self.model, self.settings.shards, tenants=self.tenants)
+
     async def ensure_groups(self) -> None:
         """Create the consumer group on each stream; idempotent."""
-        for stream in self.streams:
+        await self.refresh_tenants(force=True, create=False)
+        await self._create_groups(self.streams)
+
+    async def _create_groups(self, streams: list[str]) -> None:
+        for stream in streams:
             try:
+                # id 0: entries added before the group existed are read too
                 await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
+
+    async def refresh_tenants(self, force: bool = False, create: bool = True) -> None:
+        """Read the shards' tenant sets (SUBMIT adds a tenant to its shard's set with its first
+        request there), at most every ``TENANTS_REFRESH_S`` unless ``force``; the streams of a
+        tenant new to this reader get their consumer group (``create``)."""
+        now = time.monotonic()
+        if not force and now - self._tenants_read < TENANTS_REFRESH_S:
+            return
+        self._tenants_read = now
+        tenants = await read_tenants(self.redis, self.keys, self.model, self.settings.shards)
+        new = [
+            self.keys.stream(self.model, p, shard, t)
+            for shard, names in tenants.items()
+            for t in names
+            if t not in self.tenants.get(shard, ())
+            for p in ("high", "low")
+        ]
+        self.tenants = tenants
+        if new and create:
+            await self._create_groups(new)
 
     # -- the offline policy ---------------------------------------------------------------
     def step_ended(self) -> None:
@@ -149,20 +191,25 @@ class Reader:
         once per set of owned shards: this runs several times per request)."""
         shards = self.settings.shards
         owned = frozenset(range(shards) if self.leases is None else self.leases.owned)
-        known = self._named.get((priority, owned))
+        tenants = tuple((s, tuple(t)) for s, t in sorted(self.tenants.items()))
+        known = self._named.get((priority, owned, tenants))
         if known is None:
-            mine = [self.keys.stream(self.model, priority, s) for s in sorted(owned)]
-            others = [
-                self.keys.stream(self.model, priority, s) for s in range(shards) if s not in owned
-            ]
-            if len(self._named) > 64:  # leases change rarely; never let it grow unbounded
+
+            def of(shard: int) -> list[str]:
+                names = ["", *self.tenants.get(shard, [])]
+                return [self.keys.stream(self.model, priority, shard, t) for t in names]
+
+            mine = [x for s in sorted(owned) for x in of(s)]
+            others = [x for s in range(shards) if s not in owned for x in of(s)]
+            if len(self._named) > 64:  # leases and tenants change rarely; never grow unbounded
                 self._named.clear()
-            known = self._named[(priority, owned)] = (mine, others)
+            known = self._named[(priority, owned, tenants)] = (mine, others)
         return known
 
     async def read(self, count: int, model: ModelState) -> list[Entry]:
         """Up to ``count`` new entries in this order: own shards, other shards whose owner is
         gone or lagging (stealing), offline work; blocks briefly when there is none."""
+        await self.refresh_tenants()
         mine, others = self._shard_streams("high")
         low_mine, low_others = self._shard_streams("low")
         low = low_mine + low_others
@@ -172,22 +219,24 @@ class Reader:
             # own shards first, without blocking; when the model is idle and nothing else may be
             # read, the blocking read below is that read
             passes: list[tuple[list[str], int]] = []
-            if stealable or offline or model.busy or model.ready:
+            if stealable or offline or model.busy or model.ready or self._tenanted(mine):
                 # own shards found drained since the last step: what came meanwhile waits for
                 # the step's end all the same (one round trip less per step)
                 own = [] if self._drained else mine
                 passes = [(own, count), (stealable, count), (low, offline)]
             for streams, n in passes:
                 if streams and n:
-                    reply = await self._xreadgroup(streams, n)
                     if streams is mine:
+                        reply = await self._fair_read(streams, n)
                         self._note_read(reply, n)
+                    else:
+                        reply = await self._xreadgroup(streams, n)
                     if reply:
                         self._mark(reply)
                         return self.parse(reply)
             # Block on our own streams, no longer than a heartbeat (when leases may change);
             # with other shards around, wake up soon to look for work to take over.
-            block_ms = min(BLOCK_MS, int(1000 * self.settings.heartbeat_s))
+            block_ms = min(BLOCK_MS, int(1000 * self.settings.heartbeat_s), TENANTS_NEW_MS)
             if others:
                 block_ms = min(block_ms, int(2 * self.settings.steal_after_ms))
             grace_ms = (self._offline_after - time.monotonic()) * 1000
@@ -213,6 +262,8 @@ class Reader:
                 await asyncio.sleep(block_ms / 1000)
                 return []
             n = min(count, offline) if offline else count
+            if self._tenanted(streams):  # what arrives first, a little of each
+                n = max(1, n // len(streams))
             reply = await self._xreadgroup(streams, n, block_ms)
             got = sum(len(items) for _, items in reply or [])
             if self._mark(reply) and got == n < count:
@@ -227,6 +278,48 @@ class Reader:
                 raise
             await self.ensure_groups()  # the stream was deleted under us (FLUSHALL, DEL)
             return []
+
+    # -- fair shares between tenants --------------------------------------------------------
+    def _tenanted(self, streams: list[str]) -> bool:
+        """Some of ``streams`` may be tenants': a blocking read of all of them would share
+        their entries equally, not by weight, so a fair read comes first."""
+        return bool(self.tenants) and len(streams) > 1
+
+    async def _fair_read(self, streams: list[str], count: int) -> Any:
+        """Up to ``count`` entries of ``streams`` (this worker's own, non-blocking), shared
+        between the tenants whose streams they are in proportion to their weights; what a
+        tenant leaves unused goes to the others (no row is left idle while any tenant has
+        work). With one tenant (none named: the usual case) this is one plain read."""
+        if not self.tenants:
+            return await self._xreadgroup(streams, count)
+        groups: dict[str, list[str]] = {}
+        for stream in streams:
+            groups.setdefault(self.keys.parse_stream(stream).tenant, []).append(stream)
+        if len(groups) == 1:
+            return await self._xreadgroup(streams, count)
+        reply: list[Any] = []
+        left = count
+        for _ in range(3):  # the shares, then what they left to those with more waiting
+            quotas = self.shares.quotas(list(groups), left)
+            # a tenant's quota spread over its streams (XREADGROUP's COUNT is per stream)
+            per = {t: -(-q // len(groups[t])) for t, q in quotas.items() if q > 0}
+            reads = [(x, n) for t, n in per.items() for x in groups[t]]
+            answer = await read_counts(self.redis, self.name, reads, self.cluster)
+            got: dict[str, int] = {}
+            more: dict[str, list[str]] = {}  # streams that gave all they were asked for
+            for stream, items in answer:
+                name = _s(stream)
+                tenant = self.keys.parse_stream(name).tenant
+                got[tenant] = got.get(tenant, 0) + len(items)
+                if len(items) >= per[tenant]:
+                    more.setdefault(tenant, []).append(name)
+            reply += answer
+            left -= sum(got.values())
+            self.shares.settle(quotas, got, set(more))
+            if left <= 0 or not more:
+                break
+            groups = more
+        return reply
 
     async def _xreadgroup(self, streams: list[str], count: int, block_ms: int | None = None) -> Any:
         """XREADGROUP of ``streams``. A cluster refuses one read of several slots, so there each
@@ -336,6 +429,7 @@ class Reader:
                     _s(digest) if digest is not None else None,
                     name.shard,
                     name.offline,
+                    name.tenant,
                 )
             )
         return out
