@@ -186,9 +186,7 @@ async def test_saturating_tenants_share_the_batches_by_weight(
         a_done: list[float] = []
         b_done: list[float] = []
         watcher.start()
-        await asyncio.gather(
-            flood(a, prompts(3, 400), a_done), flood(b, prompts(4, 900), b_done)
-        )
+        await asyncio.gather(flood(a, prompts(3, 400), a_done), flood(b, prompts(4, 900), b_done))
     finally:
         stop.set()
         if watcher.is_alive():
@@ -236,7 +234,8 @@ async def test_per_tenant_counters_add_up_to_the_pools(
     )  # fmt: skip
     assert tenants["a"]["prompt_tokens"] == 30 * 6
     assert tenants["b"]["producer_cache_hits"] == 30
-    assert sum(t.get("producer_cache_hits", 0) for t in tenants.values()) == (
-        data["producer_counters"]["cache_hits"]
+    assert (
+        sum(t.get("producer_cache_hits", 0) for t in tenants.values())
+        == (data["producer_counters"]["cache_hits"])
     )
     assert all(t["compute_s"] > 0 and t["wait_s"] >= 0 for t in tenants.values())
