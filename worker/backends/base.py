@@ -86,6 +86,9 @@ class Work:
     error: BaseException | None = None
     tag: Any = None
     """The caller's handle (the worker's job); backends leave it alone."""
+    rank: float = 0.0
+    """Order among the queued works of one priority, lowest first (the worker's fair share
+    between tenants: ``worker.stream.compute``); equal ranks keep their arrival order."""
 
 
 @dataclass(eq=False)
@@ -241,8 +244,8 @@ class Backend(ABC):
 
     def _take(self, works: list[Work]) -> list[Work]:
         """The next batch: interactive works first, at most ``max_batch`` rows, one kind and
-        adapter (arrival order within each)."""
-        ordered = sorted(works, key=lambda w: not w.high)  # stable
+        adapter (by rank, then arrival order, within each)."""
+        ordered = sorted(works, key=lambda w: (not w.high, w.rank))  # stable
         first = ordered[0]
         batch = [w for w in ordered if w.kind == first.kind and w.lora == first.lora]
         batch = batch[: self.max_batch]

@@ -91,6 +91,11 @@ class Compute:
         """While in the future (monotonic), a partly filled batch waits for company."""
         self.wake_reader: Callable[[], None] = lambda: None
         """Called when a batch starts waiting for company: the reader then reads meanwhile."""
+        self.weights = settings.weights()
+        self._finish_tag: dict[str, float] = {}
+        """Tenant -> virtual finish time of its last queued work (weighted fair queuing)."""
+        self._virtual = 0.0
+        """Virtual time: the largest rank of the works finished so far."""
 
     @property
     def outstanding(self) -> int:
@@ -115,10 +120,22 @@ class Compute:
                 continue
             self.active[job.digest] = job
             self.ready.append(job)
+            self._rank(job)
         if settled:
             self.on_finished(settled)
         if self.ready:
             self.have.set()
+
+    def _rank(self, job: Job) -> None:
+        """Weighted fair queuing between tenants: a work's rank is its tenant's virtual finish
+        time, so a tenant whose request arrives behind another's backlog is served next, not
+        after it; with one tenant (or none) ranks follow arrival order."""
+        assert job.work is not None
+        tenant = job.entries[0].tenant if job.entries else ""
+        start = max(self._finish_tag.get(tenant, 0.0), self._virtual)
+        job.work.rank = self._finish_tag[tenant] = start + 1 / self.weights.get(tenant, 1.0)
+        if len(self._finish_tag) > 4096:  # tenants come and go: forget the idle ones
+            self._finish_tag = {t: f for t, f in self._finish_tag.items() if f > self._virtual}
 
     async def run_until(
         self, done: Callable[[], bool], claim: Callable[[], Awaitable[bool]]
@@ -195,6 +212,8 @@ class Compute:
             self.step_s += (seconds - self.step_s) / 8  # a moving average of recent steps
             self.busy_s += seconds
             self.steps += 1
+        if works:
+            self._virtual = max(self._virtual, max(w.rank for w in works))
         finished = [w.tag for w in works if isinstance(w.tag, Job)]
         for job in finished:
             self.active.pop(job.digest, None)

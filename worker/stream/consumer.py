@@ -1,7 +1,8 @@
 """One worker's request path, wired: reader -> batcher -> compute -> writer.
 
 The reader task keeps up to two steps' worth of jobs queued ahead of the model (so a step's
-successor is ready when it ends) and no more (so priorities and skips are decided late). The
+successor is ready when it ends) and no more (so priorities and skips are decided late); with
+tenants, two steps' worth per tenant (so one tenant's flood leaves room for another's request). The
 compute loop steps the backend; the writer stores and acknowledges in the background.
 ``stop()`` stops reading; ``run()`` then finishes every job in hand, writes and acknowledges
 it, and returns. An engine that dies (``EngineDead``) ends ``run()`` with that error at once,
@@ -186,12 +187,12 @@ class Consumer:
         try:
             while not self._stopping.is_set():
                 self.reader.room.clear()  # before looking, so a change after it wakes us
-                room = AHEAD_STEPS * self.settings.max_batch - self.compute.outstanding
+                room, caps = self._room()
                 if room <= 0:
                     await self.reader.room.wait()
                     continue
                 try:
-                    entries = await self.reader.read(room, self.compute)
+                    entries = await self.reader.read(room, self.compute, caps)
                     if entries:
                         await self._take(entries)
                 except TRANSIENT as e:
@@ -206,6 +207,21 @@ class Consumer:
         finally:
             self._reader_done.set()
             self.compute.have.set()
+
+    def _room(self) -> tuple[int, dict[str, int] | None]:
+        """How many entries the reader may take now, and with tenants, how many each tenant
+        may (``AHEAD_STEPS`` batches each: one tenant's flood fills its own look-ahead, never
+        another's)."""
+        cap = AHEAD_STEPS * self.settings.max_batch
+        if not self.reader.tenants:
+            return cap - self.compute.outstanding, None
+        held: dict[str, int] = {}
+        for job in self.compute.active.values():
+            tenant = job.entries[0].tenant if job.entries else ""
+            held[tenant] = held.get(tenant, 0) + 1
+        names = {"", *(t for ts in self.reader.tenants.values() for t in ts)}
+        caps = {t: cap - held.get(t, 0) for t in names}
+        return sum(max(c, 0) for c in caps.values()), caps
 
     async def _triage(self, jobs: list[Job]) -> None:
         await until_done(lambda: self.batcher.triage(self.redis, jobs), self._stopping.is_set)

@@ -23,7 +23,7 @@ from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, AnyRedis
 from shared.settings import Settings
 from worker.leases import LeaseKeeper
-from worker.stream.tenants import Shares, read_counts, read_tenants
+from worker.stream.tenants import FairReads, Shares, fair_read, read_tenants
 
 BLOCK_MS = 1000
 """Longest blocking read: also the longest a stop waits for the reader."""
@@ -39,6 +39,9 @@ OFFLINE_SHARE_EVERY = 4
 busy interactive caller never stops a batch job completely."""
 TENANTS_REFRESH_S = 0.1
 """How often the shards' tenant sets are read while the reader is busy."""
+TENANT_POLL_MS = 3
+"""While the model is busy and a tenant is at its look-ahead cap, the others' streams are
+read in blocking reads this long, so that their next request joins the next step."""
 TENANTS_NEW_MS = 250
 """Longest blocking read: the streams of a tenant new to a shard are not among those it waits
 on, so the first request of a new tenant waits this long at most (once per shard)."""
@@ -97,6 +100,7 @@ class Reader:
         self.leases = leases
         """None: this reader owns every shard."""
         self.shares = Shares(settings.weights())
+        self.fair = FairReads(redis, self.keys, consumer_name, self.shares)
         self.tenants: dict[int, list[str]] = {}
         """Shard -> the tenants with streams there, as last read (``refresh_tenants``)."""
         self._tenants_read = -1e9
@@ -206,9 +210,13 @@ class Reader:
             known = self._named[(priority, owned, tenants)] = (mine, others)
         return known
 
-    async def read(self, count: int, model: ModelState) -> list[Entry]:
+    async def read(
+        self, count: int, model: ModelState, caps: dict[str, int] | None = None
+    ) -> list[Entry]:
         """Up to ``count`` new entries in this order: own shards, other shards whose owner is
-        gone or lagging (stealing), offline work; blocks briefly when there is none."""
+        gone or lagging (stealing), offline work; blocks briefly when there is none. ``caps``
+        (tenant -> entries it may still have in the worker's look-ahead) keeps one tenant's
+        flood from taking the room of another's next request."""
         await self.refresh_tenants()
         mine, others = self._shard_streams("high")
         low_mine, low_others = self._shard_streams("low")
@@ -227,7 +235,7 @@ class Reader:
             for streams, n in passes:
                 if streams and n:
                     if streams is mine:
-                        reply = await self._fair_read(streams, n)
+                        reply = await self._fair_read(streams, n, caps)
                         self._note_read(reply, n)
                     else:
                         reply = await self._xreadgroup(streams, n)
@@ -254,7 +262,14 @@ class Reader:
                 return self.parse(reply)
             if model.ready or (model.busy and not offline):
                 # the model is busy or has work waiting: look again as soon as that changes
-                # (offline work may then be read), rather than block on interactive streams
+                # (offline work may then be read), rather than block on interactive streams;
+                # but a tenant with room in the look-ahead is read as soon as its request comes
+                open_ = [x for x in mine if caps and caps.get(self._tenant_of(x), 0) > 0]
+                if open_ and self.tenants:
+                    n = max(1, min(caps.get(self._tenant_of(x), 1) for x in open_))  # type: ignore[union-attr]
+                    reply = await self._xreadgroup(open_, n, min(block_ms, TENANT_POLL_MS))
+                    self._mark(reply)
+                    return self.parse(reply)
                 await wait_event(self.room, block_ms / 1000)
                 return []
             streams = [*mine, *low] if offline else mine
@@ -280,46 +295,24 @@ class Reader:
             return []
 
     # -- fair shares between tenants --------------------------------------------------------
+    def _tenant_of(self, stream: str) -> str:
+        return self.keys.parse_stream(stream).tenant
+
     def _tenanted(self, streams: list[str]) -> bool:
         """Some of ``streams`` may be tenants': a blocking read of all of them would share
         their entries equally, not by weight, so a fair read comes first."""
         return bool(self.tenants) and len(streams) > 1
 
-    async def _fair_read(self, streams: list[str], count: int) -> Any:
-        """Up to ``count`` entries of ``streams`` (this worker's own, non-blocking), shared
-        between the tenants whose streams they are in proportion to their weights; what a
-        tenant leaves unused goes to the others (no row is left idle while any tenant has
-        work). With one tenant (none named: the usual case) this is one plain read."""
+    async def _fair_read(
+        self, streams: list[str], count: int, caps: dict[str, int] | None = None
+    ) -> Any:
+        """Up to ``count`` entries of ``streams`` (this worker's own, non-blocking), shared by
+        weight between their tenants (``worker.stream.tenants.fair_read``), none for a tenant
+        whose ``caps`` entry is not positive. With no tenant: one plain read."""
         if not self.tenants:
             return await self._xreadgroup(streams, count)
-        groups: dict[str, list[str]] = {}
-        for stream in streams:
-            groups.setdefault(self.keys.parse_stream(stream).tenant, []).append(stream)
-        if len(groups) == 1:
-            return await self._xreadgroup(streams, count)
-        reply: list[Any] = []
-        left = count
-        for _ in range(3):  # the shares, then what they left to those with more waiting
-            quotas = self.shares.quotas(list(groups), left)
-            # a tenant's quota spread over its streams (XREADGROUP's COUNT is per stream)
-            per = {t: -(-q // len(groups[t])) for t, q in quotas.items() if q > 0}
-            reads = [(x, n) for t, n in per.items() for x in groups[t]]
-            answer = await read_counts(self.redis, self.name, reads, self.cluster)
-            got: dict[str, int] = {}
-            more: dict[str, list[str]] = {}  # streams that gave all they were asked for
-            for stream, items in answer:
-                name = _s(stream)
-                tenant = self.keys.parse_stream(name).tenant
-                got[tenant] = got.get(tenant, 0) + len(items)
-                if len(items) >= per[tenant]:
-                    more.setdefault(tenant, []).append(name)
-            reply += answer
-            left -= sum(got.values())
-            self.shares.settle(quotas, got, set(more))
-            if left <= 0 or not more:
-                break
-            groups = more
-        return reply
+        self.fair.cluster = self.cluster
+        return await fair_read(self.fair, streams, count, caps)
 
     async def _xreadgroup(self, streams: list[str], count: int, block_ms: int | None = None) -> Any:
         """XREADGROUP of ``streams``. A cluster refuses one read of several slots, so there each

@@ -14,6 +14,7 @@ others in the same call (no row idles while any tenant has work).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from shared.keys import GROUP, Keys
@@ -89,3 +90,58 @@ class Shares:
             if not q:
                 continue  # not read this time: its credit stands
             self.deficit[t] = self.deficit.get(t, 0.0) - got.get(t, 0) if t in more else 0.0
+
+
+@dataclass
+class FairReads:
+    """What :func:`fair_read` reads with."""
+
+    redis: AnyRedis
+    keys: Keys
+    consumer: str
+    shares: Shares
+    cluster: bool = False
+
+
+async def fair_read(
+    fr: FairReads, streams: list[str], count: int, caps: dict[str, int] | None = None
+) -> list[Any]:
+    """Up to ``count`` entries of ``streams`` (non-blocking), shared between the tenants whose
+    streams they are in proportion to their weights; what a tenant leaves unused goes to the
+    others (no row is left idle while any tenant has work). ``caps``: tenant -> most entries it
+    may have now (its room in the worker's look-ahead); a tenant missing from it has no cap."""
+    groups: dict[str, list[str]] = {}
+    for stream in streams:
+        tenant = fr.keys.parse_stream(stream).tenant
+        if caps is None or caps.get(tenant, count) > 0:
+            groups.setdefault(tenant, []).append(stream)
+    reply: list[Any] = []
+    left = count
+    for _ in range(3):  # the shares, then what they left to those with more waiting
+        if not groups:
+            break
+        quotas = fr.shares.quotas(list(groups), left)
+        if caps is not None:
+            quotas = {t: min(q, caps.get(t, q)) for t, q in quotas.items()}
+        # a tenant's quota spread over its streams (XREADGROUP's COUNT is per stream)
+        per = {t: -(-q // len(groups[t])) for t, q in quotas.items() if q > 0}
+        reads = [(x, n) for t, n in per.items() for x in groups[t]]
+        answer = await read_counts(fr.redis, fr.consumer, reads, fr.cluster)
+        got: dict[str, int] = {}
+        more: dict[str, list[str]] = {}  # streams that gave all they were asked for
+        for stream, items in answer:
+            name = stream.decode() if isinstance(stream, bytes) else str(stream)
+            tenant = fr.keys.parse_stream(name).tenant
+            got[tenant] = got.get(tenant, 0) + len(items)
+            if len(items) >= per[tenant]:
+                more.setdefault(tenant, []).append(name)
+        reply += answer
+        left -= sum(got.values())
+        fr.shares.settle(quotas, got, set(more))
+        if caps is not None:
+            caps = {t: c - got.get(t, 0) for t, c in caps.items()}
+            more = {t: x for t, x in more.items() if caps.get(t, 1) > 0}
+        if left <= 0 or not more:
+            break
+        groups = more
+    return reply
