@@ -74,6 +74,16 @@ def random_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[
 
 
 # -- workers ---------------------------------------------------------------------------------
+async def sequential(lm: Any, prompts: list[list[int]]) -> list[float]:
+    """Latency (s) of each prompt, sent one at a time."""
+    out: list[float] = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        await lm.next_token_logprobs(p)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def heartbeats(url: str, prefix: str = "lmpool") -> dict[int, dict[str, Any]]:
     """Every live worker's heartbeat hash, by process id."""
     r: Any = redis.Redis.from_url(url)  # the sync client; its stubs mix in Awaitable

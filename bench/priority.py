@@ -39,16 +39,6 @@ from shared.settings import Settings
 WARM = 20
 
 
-async def sequential(lm: Any, prompts: list[list[int]]) -> list[float]:
-    """Latency (s) of each prompt, sent one at a time."""
-    out: list[float] = []
-    for p in prompts:
-        t0 = time.perf_counter()
-        await lm.next_token_logprobs(p)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def worker_settings(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     settings: dict[str, Any] = {
         "backend": args.backend,
@@ -96,10 +86,10 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                 "requests; all prompts distinct (no cache hits)"
             )
             prompts = poolbench.random_prompts(rng, WARM + 3 * args.samples, args.tokens, vocab)
-            await sequential(lm, prompts[:WARM])
+            await poolbench.sequential(lm, prompts[:WARM])
             phases = [prompts[WARM + i * args.samples :][: args.samples] for i in range(3)]
 
-            idle_before = await sequential(lm, phases[0])
+            idle_before = await poolbench.sequential(lm, phases[0])
 
             flood = poolbench.Producer(
                 url,
@@ -130,7 +120,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
 
             watcher = asyncio.create_task(watch_backlog())
             t_load0 = time.monotonic()
-            under_load = await sequential(lm, phases[1])
+            under_load = await poolbench.sequential(lm, phases[1])
             t_load1 = time.monotonic()
             measuring = False
             await watcher
@@ -139,7 +129,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             deadline = time.monotonic() + 60
             while await raw.xlen(low_stream) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            idle_after = await sequential(lm, phases[2])
+            idle_after = await poolbench.sequential(lm, phases[2])
         finally:
             if lm is not None:
                 await lm.close()

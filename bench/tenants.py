@@ -38,15 +38,6 @@ from shared.settings import Settings
 WARM = 10
 
 
-async def sequential(lm: Any, prompts: list[list[int]]) -> list[float]:
-    out: list[float] = []
-    for p in prompts:
-        t0 = time.perf_counter()
-        await lm.next_token_logprobs(p)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def served(url: str) -> dict[str, float]:
     """Tenant -> requests answered, summed over the live workers' last heartbeats, plus
     ``"__total__"``: the workers' own request counters."""
@@ -134,15 +125,15 @@ async def lone_beside_flood(url: str, args: argparse.Namespace, report: Report) 
     try:
         b = await pool.lm("b")
         none = await pool.lm("")
-        await sequential(b, prompts(WARM))
-        alone = await sequential(b, prompts(args.samples))
+        await poolbench.sequential(b, prompts(WARM))
+        alone = await poolbench.sequential(b, prompts(args.samples))
         rows: list[tuple[str, list[float], int | None]] = [("B alone", alone, None)]
         for tenants, lm in ((True, b), (False, none)):
             pool.flood("a" if tenants else "", args.flood, args.seed + 1)
             queued = await pool.backlog("a" if tenants else "", args.flood // 2)
             n = args.samples if tenants else max(args.samples // 10, 5)
             beat0 = next(iter(poolbench.heartbeats(url).values()))
-            lat = await sequential(lm, prompts(n))
+            lat = await poolbench.sequential(lm, prompts(n))
             beat1 = next(iter(poolbench.heartbeats(url).values()))
             if tenants:
                 batches = int(beat1["batches"]) - int(beat0["batches"])

@@ -241,20 +241,11 @@ class Settings:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``LMPOOL_ENGINE_OPTIONS`` parsed (a JSON object)."""
-        try:
-            value = json.loads(self.engine_options)
-        except json.JSONDecodeError as e:
-            raise SettingsError(f"LMPOOL_ENGINE_OPTIONS is not JSON: {e}") from None
-        _check(isinstance(value, dict), "LMPOOL_ENGINE_OPTIONS must be a JSON object")
-        return dict(value)
+        return _json_object("engine_options", self.engine_options)
 
     def weights(self) -> dict[str, float]:
         """``LMPOOL_TENANT_WEIGHTS`` parsed: tenant -> weight (> 0)."""
-        try:
-            value = json.loads(self.tenant_weights)
-        except json.JSONDecodeError as e:
-            raise SettingsError(f"LMPOOL_TENANT_WEIGHTS is not JSON: {e}") from None
-        _check(isinstance(value, dict), "LMPOOL_TENANT_WEIGHTS must be a JSON object")
+        value = _json_object("tenant_weights", self.tenant_weights)
         out: dict[str, float] = {}
         for name, weight in value.items():
             try:
@@ -312,6 +303,17 @@ def _parse(var: str, raw: str, kind: Any) -> Any:
         what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
         raise SettingsError(f"{var}={raw!r} is not {what}") from None
     return raw
+
+
+def _json_object(name: str, raw: str) -> dict[str, Any]:
+    """Setting ``name``'s value parsed as a JSON object, or ``SettingsError`` saying why not."""
+    var = ENV_PREFIX + name.upper()
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise SettingsError(f"{var} is not JSON: {e}") from None
+    _check(isinstance(value, dict), f"{var} must be a JSON object")
+    return dict(value)
 
 
 def _check(ok: bool, message: str) -> None:
