@@ -85,6 +85,29 @@ async def test_the_tenant_is_the_acl_user_and_cannot_be_claimed(
         admin.close()
 
 
+@pytest.mark.asyncio
+async def test_a_new_tenant_waits_once_for_its_streams_to_be_found(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Workers find a new tenant's streams within a blocking read (~100-200 ms); once found,
+    on every shard: its requests to other shards are not delayed again."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    lm = await connect(redis_url, "carol")
+    try:
+        first = time.monotonic()
+        await lm.next_token_logprobs([9, 9, 9])
+        first_s = time.monotonic() - first
+        later = []
+        for p in prompts(8, 12):  # spread over the shards by their first tokens
+            started = time.monotonic()
+            assert torch.equal(await lm.next_token_logprobs(p), reference(p))
+            later.append(time.monotonic() - started)
+    finally:
+        await lm.close()
+    assert first_s < 1.0
+    assert sorted(later)[len(later) // 2] < 0.05 and max(later) < 0.5, later
+
+
 def test_tenant_names_and_weights_are_checked() -> None:
     with pytest.raises(SettingsError, match="LMPOOL_TENANT"):
         Settings(tenant="a b")
@@ -188,19 +211,19 @@ async def test_saturating_tenants_share_the_batches_by_weight(
         a_done: list[float] = []
         b_done: list[float] = []
         watcher.start()
-        await asyncio.gather(flood(a, prompts(3, 400), a_done), flood(b, prompts(4, 900), b_done))
+        await asyncio.gather(flood(a, prompts(3, 600), a_done), flood(b, prompts(4, 1500), b_done))
     finally:
         stop.set()
         if watcher.is_alive():
             watcher.join()
         await a.close()
         await b.close()
-    assert len(a_done) == 400 and len(b_done) == 900
+    assert len(a_done) == 600 and len(b_done) == 1500
     # between two heartbeats from the middle of the run, both with work left (at 1:3, B ends
-    # first, having had 900 when A has had 300); not from the start: one tenant's requests
+    # first, having had 1,500 when A has had 500); not from the start: one tenant's requests
     # reach the worker first and fill its first batches alone, as they should
     first = next((s for s in snapshots if s.get("b", 0) >= 200), None)
-    last = next((s for s in snapshots if s.get("b", 0) >= 700), None)
+    last = next((s for s in snapshots if s.get("b", 0) >= 1300), None)
     assert first and last, f"no heartbeats from the middle of the run: {snapshots[-5:]}"
     a_n, b_n = last["a"] - first["a"], last["b"] - first["b"]
     assert b_n / a_n == pytest.approx(3, rel=0.1), f"served A {a_n}, B {b_n} meanwhile"

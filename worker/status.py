@@ -142,10 +142,11 @@ def render(data: dict[str, Any]) -> str:
         )
         for tenant, t in sorted(m.get("tenants", {}).items()):
             hits = int(t.get("cache_hits", 0) + t.get("producer_cache_hits", 0))
+            wait_ms = 1000 * t.get("wait_s", 0) / max(t.get("requests", 0), 1)
             lines.append(
                 f"    tenant {tenant}: {int(t.get('requests', 0))} requests, "
                 f"{int(t.get('computed', 0))} computed ({int(t.get('prompt_tokens', 0))} prompt "
-                f"tokens), cache hits {hits}, queue wait {t.get('wait_s', 0):.1f}s, "
+                f"tokens), cache hits {hits}, mean wait in the stream {wait_ms:.1f} ms, "
                 f"compute {t.get('compute_s', 0):.2f}s, "
                 f"{int(t.get('queued', 0))} queued now"
             )
