@@ -315,7 +315,6 @@ class Reader:
         whose ``caps`` entry is not positive. With no tenant: one plain read."""
         if not self.tenants:
             return await self._xreadgroup(streams, count)
-        self.fair.cluster = self.cluster
         return await fair_read(self.fair, streams, count, caps)
 
     async def _xreadgroup(self, streams: list[str], count: int, block_ms: int | None = None) -> Any:

@@ -37,20 +37,13 @@ async def read_tenants(
     return out
 
 
-async def read_counts(
-    redis: AnyRedis, consumer: str, reads: list[tuple[str, int]], cluster: bool
-) -> list[Any]:
-    """Non-blocking XREADGROUPs of each ``(stream, count)``, in one round trip on a single
-    Redis (a cluster refuses one pipeline over several slots); the replies joined."""
+async def read_counts(redis: AnyRedis, consumer: str, reads: list[tuple[str, int]]) -> list[Any]:
+    """Non-blocking XREADGROUPs of each ``(stream, count)`` in one pipeline (on a cluster,
+    redis-py sends each node its part); the replies joined."""
     pipe = redis.pipeline(transaction=False)
-    answers: list[Any] = []
     for stream, n in reads:
-        if cluster:
-            answers.append(await redis.xreadgroup(GROUP, consumer, {stream: ">"}, count=n))
-        else:
-            pipe.xreadgroup(GROUP, consumer, {stream: ">"}, count=n)
-    if not cluster:
-        answers = await pipe.execute()
+        pipe.xreadgroup(GROUP, consumer, {stream: ">"}, count=n)
+    answers = await pipe.execute()
     return [item for answer in answers for item in answer or []]
 
 
@@ -100,7 +93,6 @@ class FairReads:
     keys: Keys
     consumer: str
     shares: Shares
-    cluster: bool = False
 
 
 async def fair_read(
@@ -126,7 +118,7 @@ async def fair_read(
         # a tenant's quota spread over its streams (XREADGROUP's COUNT is per stream)
         per = {t: -(-q // len(groups[t])) for t, q in quotas.items() if q > 0}
         reads = [(x, n) for t, n in per.items() for x in groups[t]]
-        answer = await read_counts(fr.redis, fr.consumer, reads, fr.cluster)
+        answer = await read_counts(fr.redis, fr.consumer, reads)
         got: dict[str, int] = {}
         more: dict[str, list[str]] = {}  # streams that gave all they were asked for
         for stream, items in answer:
