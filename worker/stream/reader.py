@@ -268,9 +268,10 @@ class Reader:
                 # the model is busy or has work waiting: look again as soon as that changes
                 # (offline work may then be read), rather than block on interactive streams;
                 # but a tenant with room in the look-ahead is read as soon as its request comes
-                open_ = [x for x in mine if caps and caps.get(self._tenant_of(x), 0) > 0]
-                if open_ and self.tenants:
-                    n = max(1, min(caps.get(self._tenant_of(x), 1) for x in open_))  # type: ignore[union-attr]
+                room = {x: caps.get(self._tenant_of(x), 0) for x in mine} if caps else {}
+                open_ = [x for x, n in room.items() if n > 0]
+                if open_:
+                    n = max(1, min(room[x] for x in open_))
                     reply = await self._xreadgroup(open_, n, min(block_ms, TENANT_POLL_MS))
                     self._mark(reply)
                     return self.parse(reply)
