@@ -67,6 +67,11 @@ class Job:
         return self.request["kind"] if self.request is not None else "?"
 
     @property
+    def tenant(self) -> str:
+        """The tenant of its first entry (the one that queued it); empty: no tenant."""
+        return self.entries[0].tenant if self.entries else ""
+
+    @property
     def shared(self) -> bool:
         """Its result goes into the shared cache (a cache_kv answer describes one worker)."""
         return self.result is not None and self.error is None and self.kind != "cache_kv"

@@ -131,7 +131,7 @@ class Compute:
         time, so a tenant whose request arrives behind another's backlog is served next, not
         after it; with one tenant (or none) ranks follow arrival order."""
         assert job.work is not None
-        tenant = job.entries[0].tenant if job.entries else ""
+        tenant = job.tenant
         start = max(self._finish_tag.get(tenant, 0.0), self._virtual)
         job.work.rank = self._finish_tag[tenant] = start + 1 / self.weights.get(tenant, 1.0)
         if len(self._finish_tag) > 4096:  # tenants come and go: forget the idle ones

@@ -74,7 +74,7 @@ class Stats:
             for entry in job.entries:
                 self.tenant(entry.tenant)["requests"] += 1
             if job.entries:
-                first = self.tenant(job.entries[0].tenant)
+                first = self.tenant(job.tenant)
                 if job.outcome == "computed":
                     first["computed"] += 1
                     first["prompt_tokens"] += len(job.work.ids) if job.work is not None else 0
@@ -217,7 +217,7 @@ class Consumer:
             return cap - self.compute.outstanding, None
         held: dict[str, int] = {}
         for job in self.compute.active.values():
-            tenant = job.entries[0].tenant if job.entries else ""
+            tenant = job.tenant
             held[tenant] = held.get(tenant, 0) + 1
         names = {"", *(t for ts in self.reader.tenants.values() for t in ts)}
         caps = {t: cap - held.get(t, 0) for t in names}
@@ -303,7 +303,7 @@ class Consumer:
             self.metrics.observe_step(len(works), seconds)
         for work in works:
             job = work.tag
-            tenant = job.entries[0].tenant if isinstance(job, Job) and job.entries else ""
+            tenant = job.tenant if isinstance(job, Job) else ""
             self.stats.tenant(tenant)["compute_s"] += seconds / len(works)
         if works:
             high = [w.high for w in works]
