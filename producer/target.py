@@ -67,11 +67,18 @@ class Target:
         except Exception as e:
             return f"queue state unavailable: {e!r}"
 
+    def _streams(self) -> list[str]:
+        """The model's streams this producer's requests may wait in: of no tenant, and of its
+        own tenant's where it has one."""
+        shards = self.settings.shards
+        tenants = {s: [self.tenant] for s in range(shards)} if self.tenant else None
+        return self.keys.streams(self.model, shards, tenants=tenants)
+
     def _ask_queue_state(self, pipe: Any) -> None:
         """Queue what :meth:`_queue_state_line` reads: live workers, then each stream's length
         and pending count."""
         pipe.zrangebyscore(self.keys.workers(self.model), registry.now_ms(), "+inf")
-        for stream in self.keys.streams(self.model, self.settings.shards):
+        for stream in self._streams():
             pipe.xlen(stream)
             pipe.xpending(stream, GROUP)
 
@@ -79,8 +86,7 @@ class Target:
         if isinstance(answers[0], Exception):
             raise answers[0]
         totals = {"interactive": [0, 0], "offline": [0, 0]}
-        streams = self.keys.streams(self.model, self.settings.shards)
-        for i, stream in enumerate(streams):
+        for i, stream in enumerate(self._streams()):
             length, pending = answers[1 + 2 * i], answers[2 + 2 * i]
             if isinstance(length, Exception):
                 raise length

@@ -19,7 +19,7 @@ from redis.exceptions import NoPermissionError
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from shared.acl import producer_rule, worker_rule
-from shared.errors import SettingsError
+from shared.errors import RequestTimeout, SettingsError
 from shared.keys import Keys
 from shared.settings import Settings
 from worker.backends.mock import MockBackend
@@ -106,6 +106,23 @@ async def test_a_new_tenant_waits_once_for_its_streams_to_be_found(
         await lm.close()
     assert first_s < 1.0
     assert sorted(later)[len(later) // 2] < 0.05 and max(later) < 0.5, later
+
+
+@pytest.mark.asyncio
+async def test_a_tenants_timeout_names_its_own_queue(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A tenant's requests wait in its own streams: the queue state of a timeout counts them."""
+    worker = workers(redis_url, backend="mock", mock_vocab_size=V)
+    lm = await RemoteLM.connect(
+        model=MODEL, settings=Settings(redis_url=redis_url, timeout_s=1.0), tenant="dave"
+    )
+    worker.kill()
+    try:
+        with pytest.raises(RequestTimeout, match=r"within 1s.*interactive queue 1 \(0 pending"):
+            await lm.next_token_logprobs([42, 43])
+    finally:
+        await lm.close()
 
 
 def test_tenant_names_and_weights_are_checked() -> None:

@@ -18,6 +18,7 @@ from shared import registry
 from shared.keys import GROUP, Keys
 from shared.redis_conn import AnyRedis, connect_redis
 from shared.settings import Settings
+from worker.stream.tenants import read_tenants
 
 
 def _s(value: bytes | str) -> str:
@@ -43,10 +44,7 @@ async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
     meta = await registry.read_meta(redis, keys, model)
     streams = {}
     shards = meta["shards"] if meta is not None else 1
-    tenants: dict[int, list[str]] = {}
-    for shard in range(shards):
-        members = await redis.smembers(keys.tenants(model, shard))  # type: ignore[misc]
-        tenants[shard] = sorted(_s(t) for t in members)
+    tenants = await read_tenants(redis, keys, model, shards)
     queued: dict[str, int] = {}
     for stream in keys.streams(model, shards, tenants=tenants):
         length = await redis.xlen(stream)
