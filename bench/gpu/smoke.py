@@ -6,7 +6,9 @@ vllm: imports vLLM and the kernels packages it brought (flashinfer, cutlass, xgr
 platform for the device, starts ``LLM`` (in this process, eager, bfloat16, 25% of the GPU) on a
 tiny random Llama with a word-level tokenizer (``tests/poolkit.build_model``), and prints the
 top-5 next-token log-probs of two prompts beside float32 transformers on the CPU (informational:
-bfloat16 differs by up to ~0.1). sglang: imports sglang, its kernels and flashinfer. lmpool:
+bfloat16 differs by up to ~0.1). sglang: imports sglang, its kernels and flashinfer, then runs
+SGLang's scheduler through genlm-backend's driver (bfloat16, no CUDA graphs) on a tiny random
+Llama with head dim 64 and compares two prompts' rows the same way. lmpool:
 torch's view of the GPU only. Exit status 1 when any check fails; every check is attempted.
 """
 
@@ -96,6 +98,39 @@ def vllm_requests() -> str:
     return f"vLLM served {len(outputs)} prompts; max |vLLM bf16 - transformers fp32| {worst:.3g}"
 
 
+def sglang_requests() -> str:
+    """SGLang's scheduler in this process through genlm-backend's driver (what lmpool's sglang
+    backend runs), bfloat16, no CUDA graphs: two prompts' full rows beside fp32 transformers."""
+    import torch
+    from genlm.backend.llm.sgl import AsyncSGLTransformer
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from poolkit import build_tiny_llama
+
+    path = build_tiny_llama(
+        Path(tempfile.mkdtemp(prefix="lmpool-smoke-")),
+        hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    llm = AsyncSGLTransformer.from_name(
+        str(path),
+        engine_opts={"dtype": "bfloat16", "mem_fraction_static": 0.2, "disable_cuda_graph": True},
+    )
+    prompts = [[1, 5, 9, 11], [1, *range(20, 60)]]
+    rows = llm.batch_next_token_logprobs_sync(prompts).float().cpu()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    worst = 0.0
+    for ids, row in zip(prompts, rows, strict=True):
+        with torch.inference_mode():
+            want = torch.log_softmax(ref(torch.tensor([ids])).logits[0, -1].float(), -1)
+        worst = max(worst, float((row - want).abs().max()))
+        top = torch.topk(row, 5)
+        shown = [(int(t), round(float(v), 3)) for v, t in zip(top.values, top.indices, strict=True)]
+        print(f"     prompt of {len(ids)}: top-5 {shown}")
+    llm._cleanup_engine()
+    return f"SGLang served {len(prompts)} prompts; max |SGLang bf16 - fp32 reference| {worst:.3g}"
+
+
 def main() -> int:
     engine = sys.argv[1] if len(sys.argv) > 1 else "vllm"
     if engine not in IMPORTS:
@@ -115,6 +150,8 @@ def main() -> int:
 
         check("vllm platform", platform)
         check("vllm LLM on a tiny model", vllm_requests)
+    if engine == "sglang":
+        check("sglang scheduler on a tiny model", sglang_requests)
     names = {"vllm": "vllm", "sglang": "sglang", "lmpool": "torch"}
     try:
         print(f"{names[engine]} {md.version(names[engine])}")

@@ -28,6 +28,38 @@ log = logging.getLogger("lmpool.worker")
 INSTALL_HINT = "the sglang backend needs SGLang and genlm-backend: pip install lmpool[sglang]"
 
 
+QUANTIZATIONS = {"none": None, "awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+
+
+def engine_options(settings: Settings) -> dict[str, Any]:
+    """SGLang ``ServerArgs`` for lmpool's settings, ``LMPOOL_ENGINE_OPTIONS`` over them all.
+
+    Each setting that says it applies to sglang is mapped here; what this backend cannot do
+    fails at start-up instead of being ignored.
+    """
+    if settings.tensor_parallel_size != 1:
+        raise SettingsError(
+            "the sglang backend runs one scheduler in the worker's process: "
+            "LMPOOL_TENSOR_PARALLEL_SIZE must be 1 (start one worker per GPU, or use vllm)"
+        )
+    if settings.quantization not in QUANTIZATIONS:
+        raise SettingsError(
+            f"LMPOOL_QUANTIZATION={settings.quantization} is not supported by the sglang "
+            f"backend; it takes {', '.join(QUANTIZATIONS)}"
+        )
+    options: dict[str, Any] = {
+        "dtype": settings.dtype,
+        "mem_fraction_static": settings.gpu_memory_utilization,
+        "disable_radix_cache": not settings.prefix_caching,
+        "disable_cuda_graph": settings.enforce_eager == "true",
+    }
+    if settings.max_model_len:
+        options["context_length"] = settings.max_model_len
+    if QUANTIZATIONS[settings.quantization]:
+        options["quantization"] = QUANTIZATIONS[settings.quantization]
+    return options | settings.engine_kwargs()
+
+
 def load_engine(path: Path, settings: Settings) -> Any:
     """genlm-backend's SGLang wrapper around a scheduler for ``path``."""
     try:
@@ -37,7 +69,7 @@ def load_engine(path: Path, settings: Settings) -> Any:
         raise ImportError(INSTALL_HINT) from e
     gpu_id = int(settings.device.split(":", 1)[1]) if settings.device.startswith("cuda:") else 0
     return AsyncSGLTransformer.from_name(
-        str(path), engine_opts=settings.engine_kwargs(), gpu_id=gpu_id
+        str(path), engine_opts=engine_options(settings), gpu_id=gpu_id
     )
 
 
@@ -52,6 +84,7 @@ class SGLangBackend(Backend):
             raise SettingsError("LMPOOL_LORA is not supported by the sglang backend yet")
         if settings.device == "cpu":
             raise SettingsError("the sglang backend runs on CUDA only; use hf or vllm on CPU")
+        engine_options(settings)  # settings it cannot serve fail before the engine loads
         source, path = model_dir(settings)
         self.engine = engine_factory(path, settings)
         self.tokenizer = self.engine.tokenizer
