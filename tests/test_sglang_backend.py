@@ -47,7 +47,8 @@ class EngineStandIn:
 
 @pytest.fixture(scope="module")
 def hf(tiny_llama: Path) -> HFBackend:
-    return HFBackend(Settings(model=str(tiny_llama), kv_cache_mb=0))
+    """The stand-in's rows: on the CPU, as the backend hands them out, on any machine."""
+    return HFBackend(Settings(model=str(tiny_llama), device="cpu", kv_cache_mb=0))
 
 
 @pytest.fixture

