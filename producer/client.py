@@ -18,6 +18,7 @@ from typing import Any
 
 from producer.background import KEEP
 from producer.loop import LoopState
+from producer.quota import QuotaGate
 from producer.submit import Prepared, SyncState
 from producer.target import Target
 from shared.errors import LMPoolError
@@ -42,6 +43,7 @@ class PoolClient:
             clock_offset_ms=clock_offset_ms,
         )
         """What each loop's and thread's state knows of the pool (never this client)."""
+        self.quota = QuotaGate(self.target, settings.quota_wait)
         self._lock = threading.Lock()
         self._loops: dict[asyncio.AbstractEventLoop, LoopState] = {}
         self._threads = threading.local()
@@ -107,6 +109,23 @@ class PoolClient:
     def request_sync(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
         """Encoded results by digest, blocking this thread (never an event loop's state)."""
         return self._sync_state().request_many(items, timeout_s)
+
+    async def admit(self, prepared: list[Prepared], timeout_s: float) -> list[str]:
+        """Leases of one call's requests under the tenant's quota (``producer.quota``), taken
+        together before any is submitted; ``QuotaExceeded`` when refused."""
+        return await self.quota.admit(self._state().redis, prepared, timeout_s)
+
+    def release(self, leases: list[str]) -> None:
+        """End a call's leases (from the loop that took them)."""
+        if leases and not self._closed:
+            self.quota.release(self._state().redis, leases)
+
+    def admit_sync(self, prepared: list[Prepared], timeout_s: float) -> list[str]:
+        return self.quota.admit_sync(self._sync_state().redis, prepared, timeout_s)
+
+    def release_sync(self, leases: list[str]) -> None:
+        if leases and not self._closed:
+            self.quota.release_sync(self._sync_state().redis, leases)
 
     async def execute(self, commands: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Run ``(method, args)`` redis-py commands in one pipeline of this loop's client."""

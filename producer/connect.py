@@ -24,6 +24,7 @@ def resolve_settings(
     timeout_s: float | None,
     connect_timeout_s: float | None,
     tenant: str | None = None,
+    quota_wait: bool | None = None,
 ) -> tuple[Settings, str]:
     settings = settings or Settings.from_env()
     changes = {
@@ -31,6 +32,7 @@ def resolve_settings(
         "timeout_s": timeout_s,
         "connect_timeout_s": connect_timeout_s,
         "tenant": tenant,
+        "quota_wait": quota_wait,
     }
     settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
     return settings, model or settings.served_model_name

@@ -25,6 +25,7 @@ import torch
 from producer.adapters import AdapterMethods, AdapterNames
 from producer.background import awaitable, nothing, run_or_schedule
 from producer.cache import OutputCache
+from producer.calls import Calls
 from producer.client import PoolClient, Prepared
 from producer.connect import resolve_settings, wait_for_model, wait_for_model_sync
 from producer.genlm import register_with_genlm
@@ -76,6 +77,7 @@ class RemoteLM(AdapterMethods):
         self.tokenizer = tokenizer_from_json(meta["tokenizer_json"], meta["tokenizer_config"])
         self._vocab = Vocabularies(self.tokenizer)  # built on first use, genlm's Token if found
         self.cache = OutputCache(cache_size)
+        self._runner = Calls(client, self.cache)
         self.affinity: str | None = None
         """Default affinity key of this object's requests (e.g. an SMC run id)."""
         self._pinned: dict[tuple[bytes, str | None], int] = {}
@@ -96,6 +98,7 @@ class RemoteLM(AdapterMethods):
         priority: str = "high",
         settings: Settings | None = None,
         tenant: str | None = None,
+        quota_wait: bool | None = None,
     ) -> RemoteLM:
         """Connect to the pool and wait for a live worker of ``model``.
 
@@ -104,10 +107,12 @@ class RemoteLM(AdapterMethods):
         ``LMPOOL_CONNECT_TIMEOUT_S``, ``LMPOOL_TENANT``). ``timeout_s`` bounds each request;
         ``priority="low"`` sends requests to the offline streams that workers serve after
         interactive work. ``tenant`` names whose requests these are, where Redis ACLs are not
-        used; with ACLs the tenant is the ACL user (``producer.connect.resolve_tenant``).
+        used; with ACLs the tenant is the ACL user (``producer.connect.resolve_tenant``). Over
+        the tenant's quota a call raises ``QuotaExceeded`` at once, or with ``quota_wait=True``
+        (``LMPOOL_QUOTA_WAIT``) waits for room within ``timeout_s`` (``producer.quota``).
         """
         settings, name = resolve_settings(
-            settings, redis_url, model, timeout_s, connect_timeout_s, tenant
+            settings, redis_url, model, timeout_s, connect_timeout_s, tenant, quota_wait
         )
         meta, offset, tenant = await wait_for_model(settings, name)
         return cls._build(settings.replace(tenant=tenant), name, meta, offset, priority, cache_size)
@@ -128,6 +133,7 @@ class RemoteLM(AdapterMethods):
             timeout_s,
             kwargs.pop("connect_timeout_s", None),
             kwargs.pop("tenant", None),
+            kwargs.pop("quota_wait", None),
         )
         meta, offset, tenant = wait_for_model_sync(settings, name)
         return cls._build(settings.replace(tenant=tenant), name, meta, offset, **kwargs)
@@ -212,15 +218,10 @@ class RemoteLM(AdapterMethods):
         return Prepared(digest, shard, request)
 
     async def _call(self, prepared: Prepared) -> torch.Tensor:
-        cacheable = prepared.request["kind"] != "cache_kv"
-        cached = self.cache.get(prepared.digest) if cacheable else None
-        if cached is not None:
-            return cached
-        raw = await self._client.request(prepared, self.timeout_s)
-        result = protocol.decode_result(raw)
-        if cacheable:
-            self.cache[prepared.digest] = result
-        return result
+        return (await self._calls([prepared]))[0]
+
+    async def _calls(self, prepared: list[Prepared]) -> list[torch.Tensor]:
+        return await self._runner.run(prepared, self.timeout_s)
 
     async def next_token_logprobs(
         self, token_ids: Ids, lora_name: str | None = None, *, affinity: str | None = None
@@ -244,8 +245,7 @@ class RemoteLM(AdapterMethods):
         """``[N, vocab_size]``; the N requests go to Redis in one pipeline."""
         lora = await self._adapter(lora_name) if lora_name is not None else None
         prepared = [self._prepare("logprobs", ids, lora, {}, affinity) for ids in token_ids_list]
-        rows = await asyncio.gather(*(self._call(p) for p in prepared))
-        return torch.stack(rows)
+        return torch.stack(await self._calls(prepared))
 
     def next_token_logprobs_sync(
         self, token_ids: Ids, lora_name: str | None = None
@@ -266,25 +266,11 @@ class RemoteLM(AdapterMethods):
         """Blocking, without this object's LRU (genlm's uncached path; the shared cache still
         answers, with the same numbers the workers would compute)."""
         prepared = self._prepare("logprobs", token_ids, self._adapter_sync(lora_name), {})
-        raw = self._client.request_sync([prepared], self.timeout_s)
+        raw = self._runner.request_sync([prepared], self.timeout_s)
         return protocol.decode_result(raw[prepared.digest])
 
     def _call_sync(self, prepared: list[Prepared]) -> list[torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        missing: dict[str, Prepared] = {}
-        for p in prepared:
-            hit = self.cache.get(p.digest) if p.request["kind"] != "cache_kv" else None
-            if hit is not None:
-                out[p.digest] = hit
-            else:
-                missing[p.digest] = p
-        if missing:
-            raw = self._client.request_sync(list(missing.values()), self.timeout_s)
-            for digest, data in raw.items():
-                out[digest] = protocol.decode_result(data)
-                if missing[digest].request["kind"] != "cache_kv":
-                    self.cache[digest] = out[digest]
-        return [out[p.digest] for p in prepared]
+        return self._runner.run_sync(prepared, self.timeout_s)
 
     async def sample(
         self,
@@ -300,10 +286,10 @@ class RemoteLM(AdapterMethods):
         With a seed the result is reproducible (and cached); without one every call draws anew.
         ``temperature=0`` takes the most likely token at each step (greedy decoding).
         """
-        params = sample_params(max_tokens, eos_token_ids, temperature, seed)
-        lora = await self._adapter(lora_name) if lora_name is not None else None
-        tokens = await self._call(self._prepare("sample", prompt_token_ids, lora, params))
-        return [int(t) for t in tokens.tolist()]
+        (tokens,) = await self.batch_sample(
+            [prompt_token_ids], max_tokens, eos_token_ids, temperature, seed, lora_name
+        )
+        return tokens
 
     async def batch_sample(
         self,
@@ -314,14 +300,11 @@ class RemoteLM(AdapterMethods):
         seed: int | None = None,
         lora_name: str | None = None,
     ) -> list[list[int]]:
-        return list(
-            await asyncio.gather(
-                *(
-                    self.sample(p, max_tokens, eos_token_ids, temperature, seed, lora_name)
-                    for p in prompt_token_ids_list
-                )
-            )
-        )
+        """:meth:`sample` for each prompt, as one call (one quota admission for all)."""
+        params = sample_params(max_tokens, eos_token_ids, temperature, seed)
+        lora = await self._adapter(lora_name) if lora_name is not None else None
+        prepared = [self._prepare("sample", ids, lora, params) for ids in prompt_token_ids_list]
+        return [[int(t) for t in tokens.tolist()] for tokens in await self._calls(prepared)]
 
     async def score(
         self,
@@ -385,7 +368,7 @@ class RemoteLM(AdapterMethods):
             return run_or_schedule(nothing, lambda: None)
 
         async def unpin() -> None:
-            await asyncio.gather(*(self._call(p) for p in prepared))
+            await self._calls(prepared)
 
         return run_or_schedule(unpin, lambda: self._call_sync(prepared) and None)
 

@@ -17,6 +17,7 @@ PRODUCER_COMMANDS = (
     "getex",  # results (a result's first read gives it its TTL)
     "blmpop",  # replies
     "time",  # the server's clock, for request deadlines
+    "hmget", "hset", "zremrangebyscore", "zcard", "pttl", "zrem",  # QUOTA, its leases' end
     "acl|whoami",  # the producer's tenant is its ACL user
     "info",  # whether the server is a cluster node (asked once per connect)
     "zrangebyscore", "hgetall", "smembers", "xpending",  # discovery, error messages
@@ -54,7 +55,12 @@ def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool
     commands = " ".join(f"+{c}" for c in PRODUCER_COMMANDS)
     keys = f"~{prefix}:*"
     if tenant:
-        own = [f"{{*}}:high:{user}", f"{{*}}:low:{user}", *TENANT_WRITES]
+        own = [
+            f"{{*}}:high:{user}",
+            f"{{*}}:low:{user}",
+            f"quota:{{{user}}}:*",  # its quota's use and leases, not its limits
+            *TENANT_WRITES,
+        ]
         keys = f"%R~{prefix}:* " + " ".join(f"~{prefix}:{pattern}" for pattern in own)
     return f"user {user} on >{password} resetkeys {keys} resetchannels -@all {commands}"
 

@@ -74,6 +74,18 @@ class QueueFull(LMPoolError):
     code = "queue_full"
 
 
+class QuotaExceeded(LMPoolError):
+    """The call would take its tenant past a quota (requests in flight, prompt tokens per
+    second): nothing of it was queued. Retry after ``retry_after_s``, or connect with
+    ``quota_wait=True`` (``LMPOOL_QUOTA_WAIT``) to wait for room instead."""
+
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class WorkerError(LMPoolError, RuntimeError):
     """The worker failed while computing the request (the model raised)."""
 
@@ -98,6 +110,7 @@ _BY_CODE: dict[str, type[LMPoolError]] = {
         RequestTimeout,
         Expired,
         QueueFull,
+        QuotaExceeded,
         WorkerError,
         DeadLettered,
     )

@@ -42,6 +42,10 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("P:{M:S}:due", "zset", "unread results (`r:D`), waiter sets (`w:D`) -> when due (ms)"),
     ("P:{M:S}:wait:D", "set", "reply lists waiting for digest `D`; while it exists, `D` is queued"),
     ("P:reply:C", "list", "replies for producer connection `C`"),
+    ("P:quotas", "set", "tenants that have a quota"),
+    ("P:quota:{T}", "hash", "tenant `T`'s quota: in_flight, tokens_per_s (0: no limit)"),
+    ("P:quota:{T}:use", "hash", "its token bucket (tokens, ms) and admitted / refused counts"),
+    ("P:quota:{T}:leases", "zset", "its requests in flight: lease id -> expiry time (ms)"),
     ("P:lora:M", "hash", "adapters added at run time: name -> description (JSON)"),
     ("P:lorafile:M:N:H", "string", "one file of adapter `N` (content hash `H`)"),
     ("P:arq", "arq", "arq's job queue (offline jobs)"),
@@ -161,6 +165,21 @@ class Keys:
 
     def reply(self, client_id: str) -> str:
         return self._k("reply", client_id)
+
+    # -- one tenant's quota (its keys share the tenant's hash tag: one QUOTA script call) ------
+    @property
+    def quotas(self) -> str:
+        return self._k("quotas")
+
+    def quota(self, tenant: str) -> str:
+        """The limits an operator set (``python -m worker.quota``); producers only read it."""
+        return self._k("quota", f"{{{check_tenant(tenant)}}}")
+
+    def quota_use(self, tenant: str) -> str:
+        return self._k("quota", f"{{{check_tenant(tenant)}}}", "use")
+
+    def quota_leases(self, tenant: str) -> str:
+        return self._k("quota", f"{{{check_tenant(tenant)}}}", "leases")
 
     def lora_registry(self, model: str) -> str:
         return self._k("lora", model)

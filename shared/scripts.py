@@ -146,6 +146,53 @@ if #due > 0 then redis.call('ZREM', KEYS[1], unpack(due)) end
 return #due
 """
 
+QUOTA = """
+-- A tenant's call asks to start: all its requests, or none of them (a refused call leaves no
+-- trace but its count). Producers run it before SUBMIT, for tenants with a quota.
+-- KEYS: the tenant's use (token bucket, counters) and its leases: the keys it writes, which a
+--       tenant's ACL user may write (EVAL needs write access to every key it declares)
+-- ARGV: the tenant's quota key (limits, set by the operator; read here, in the same slot
+--       through the tenant's hash tag), lease ms (a lease never released, its producer dead,
+--       ends then), the call's prompt tokens, then one lease id per request
+-- Limits: in_flight (leases alive at once) and tokens_per_s (a bucket holding one second's
+-- tokens, so bursts stay within a second's worth; a call larger than that runs once the bucket
+-- is full and leaves it in debt). 0 or absent: no limit.
+-- Returns {code, retry ms}: 0 admitted (leases added), 1 over the in-flight limit, 2 over the
+-- tokens per second, 3 no quota set for this tenant (nothing recorded), 4 the call alone has
+-- more requests than the in-flight limit (it can never run).
+local limits = redis.call('HMGET', ARGV[1], 'in_flight', 'tokens_per_s')
+local most, rate = tonumber(limits[1]) or 0, tonumber(limits[2]) or 0
+if most <= 0 and rate <= 0 then return {3, 0} end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local lease_ms, cost, n = tonumber(ARGV[2]), tonumber(ARGV[3]), #ARGV - 3
+local function refuse(code, retry)
+  redis.call('HINCRBY', KEYS[1], 'refused', n)
+  return {code, retry}
+end
+if most > 0 then
+  if n > most then return refuse(4, 0) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) + n > most then return refuse(1, 0) end
+end
+if rate > 0 then
+  local use = redis.call('HMGET', KEYS[1], 'tokens', 'ms')
+  local have, at = tonumber(use[1]) or rate, tonumber(use[2]) or now
+  have = math.min(rate, have + rate * math.max(now - at, 0) / 1000)
+  local need = math.min(cost, rate)
+  if have < need then return refuse(2, math.ceil((need - have) * 1000 / rate)) end
+  redis.call('HSET', KEYS[1], 'tokens', tostring(have - cost), 'ms', now)
+end
+if most > 0 then
+  for i = 4, #ARGV do redis.call('ZADD', KEYS[2], now + lease_ms, ARGV[i]) end
+  if redis.call('PTTL', KEYS[2]) < lease_ms then
+    redis.call('PEXPIRE', KEYS[2], lease_ms)  -- gone once the last lease has ended
+  end
+end
+redis.call('HINCRBY', KEYS[1], 'admitted', n)
+return {0, 0}
+"""
+
 
 class Script:
     """A Lua script called by SHA; ``run`` loads it (once) when Redis does not know it."""
@@ -263,3 +310,4 @@ async def run_script(redis: Any, script: Script, keys: Sequence[str], args: Sequ
 SUBMIT_SCRIPT = Script(SUBMIT)
 FINISH_SCRIPT = Script(FINISH)
 SWEEP_SCRIPT = Script(SWEEP)
+QUOTA_SCRIPT = Script(QUOTA)

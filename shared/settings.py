@@ -120,6 +120,9 @@ class Settings:
     """Producer: the tenant its requests are served and counted as (1-64 letters, digits,
     ``_ . -``). Empty: the Redis ACL user it connects as, or no tenant for the ``default`` user.
     Connecting as another ACL user than the named tenant is an error."""
+    quota_wait: bool = False
+    """Producer: over its tenant's quota (``python -m worker.quota``), a call waits for room, up
+    to ``LMPOOL_TIMEOUT_S``, instead of raising ``QuotaExceeded`` at once."""
     tenant_weights: str = "{}"
     """Worker: JSON object of tenant -> weight, e.g. ``{"alice": 3}``. Tenants with requests
     waiting share each batch in proportion to their weights (others, and requests with no

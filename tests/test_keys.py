@@ -63,6 +63,10 @@ def _built() -> list[str]:
         k.result(m, s, d),
         k.due(m, s),
         k.waiters(m, s, d),
+        k.quotas,
+        k.quota(SAMPLE["T"]),
+        k.quota_use(SAMPLE["T"]),
+        k.quota_leases(SAMPLE["T"]),
     ]
 
 

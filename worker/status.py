@@ -1,7 +1,8 @@
 """``python -m worker.status`` (also ``lmpool-status``): what the pool is doing, per model.
 
 Live workers (host, backend, device, batch size, heartbeat age, requests/s), queue lengths and
-pending counts per stream, the shared-cache and KV hit rates, dead letters and offline jobs.
+pending counts per stream, the shared-cache and KV hit rates, per-tenant counters, tenants'
+quotas and their use, dead letters and offline jobs.
 ``--watch N`` refreshes every N seconds; ``--json`` prints the same data for machines.
 """
 
@@ -18,6 +19,8 @@ from shared import registry
 from shared.keys import GROUP, Keys
 from shared.redis_conn import AnyRedis, connect_redis
 from shared.settings import Settings
+from worker.quota import read_quotas
+from worker.quota import render as render_quotas
 from worker.stream.tenants import read_tenants
 
 
@@ -29,6 +32,7 @@ async def collect(redis: AnyRedis, keys: Keys) -> dict[str, Any]:
     """Everything the status view shows, as plain data."""
     models = sorted(_s(m) for m in await redis.smembers(keys.models))  # type: ignore[misc]
     out: dict[str, Any] = {"time": time.time(), "models": {}, "jobs": await _jobs(redis, keys)}
+    out["quotas"] = await read_quotas(redis, keys)
     for model in models:
         out["models"][model] = await _model(redis, keys, model)
     return out
@@ -156,6 +160,9 @@ def render(data: dict[str, Any]) -> str:
                 f"{w.get('requests_per_s', 0)} req/s, {w.get('requests', 0)} requests, "
                 f"{w.get('rows', 0)} rows computed, {w.get('errors', 0)} errors"
             )
+    if data.get("quotas"):
+        lines.append("quotas (python -m worker.quota):")
+        lines += [f"  {line}" for line in render_quotas(data["quotas"]).splitlines()]
     for job_id, job in data["jobs"].items():
         lines.append(
             f"job {job_id}: {job.get('state', '?')} {job.get('done', 0)}/{job.get('total', '?')} "

@@ -1,0 +1,77 @@
+"""One ``RemoteLM`` call's way to its results: this object's LRU first, then the tenant's quota
+(``producer.quota``: the call's remaining requests admitted together, or none of them), then the
+pool, every request of the call in flight at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import torch
+
+from producer.cache import OutputCache
+from producer.client import PoolClient, Prepared
+from shared import protocol
+
+
+class Calls:
+    """Runs a ``RemoteLM``'s calls, from an event loop or blocking."""
+
+    def __init__(self, client: PoolClient, cache: OutputCache) -> None:
+        self.client = client
+        self.cache = cache
+
+    async def run(self, prepared: list[Prepared], timeout_s: float) -> list[torch.Tensor]:
+        """One result per request of ``prepared`` (duplicates asked once)."""
+        out, missing = self._cached(prepared)
+        if missing:
+            leases = await self.client.admit(list(missing.values()), timeout_s)
+            try:
+                raws = await asyncio.gather(
+                    *(self.client.request(p, timeout_s) for p in missing.values())
+                )
+            finally:
+                self.client.release(leases)
+            self._store(missing, dict(zip(missing, raws, strict=True)), out)
+        return [out[p.digest] for p in prepared]
+
+    def run_sync(self, prepared: list[Prepared], timeout_s: float) -> list[torch.Tensor]:
+        """:meth:`run`, blocking this thread."""
+        out, missing = self._cached(prepared)
+        if missing:
+            self._store(missing, self.request_sync(list(missing.values()), timeout_s), out)
+        return [out[p.digest] for p in prepared]
+
+    def request_sync(self, prepared: list[Prepared], timeout_s: float) -> dict[str, bytes]:
+        """Encoded results by digest, past the LRU (genlm's uncached path), quota kept."""
+        leases = self.client.admit_sync(prepared, timeout_s)
+        try:
+            return self.client.request_sync(prepared, timeout_s)
+        finally:
+            self.client.release_sync(leases)
+
+    def _cached(
+        self, prepared: list[Prepared]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Prepared]]:
+        """``(found, missing)`` by digest: what the LRU holds, and the rest (once each).
+        ``cache_kv`` requests are never cached."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, Prepared] = {}
+        for p in prepared:
+            hit = self.cache.get(p.digest) if p.request["kind"] != "cache_kv" else None
+            if hit is not None:
+                found[p.digest] = hit
+            else:
+                missing[p.digest] = p
+        return found, missing
+
+    def _store(
+        self,
+        missing: dict[str, Prepared],
+        raws: Mapping[str, bytes | bytearray],
+        out: dict[str, torch.Tensor],
+    ) -> None:
+        for digest, data in raws.items():
+            out[digest] = protocol.decode_result(data)
+            if missing[digest].request["kind"] != "cache_kv":
+                self.cache[digest] = out[digest]
