@@ -14,6 +14,10 @@ requests always in flight; B, the lone researcher, is this process, one request 
 4. One producer saturating, as a tenant and as none, alternating ``--rounds`` times: the pool's
    throughput (worker heartbeats) with tenants on / off (target >= 0.95x).
 5. Accounting: the workers' per-tenant counters summed against their totals.
+6. Quotas: tenant Q with a quota of ``--quota`` requests in flight keeps that many in flight
+   (one batch call) while this process times ``--samples`` more calls of Q: each is refused
+   (``QuotaExceeded``) in how long (target < 10 ms), and the worker computed only the admitted
+   requests, every one answered (target: 0 lost, 0 computed for a refused call).
 
     python bench/tenants.py --out bench/results/tenants-cpu.txt
 """
@@ -231,18 +235,79 @@ async def throughput(url: str, args: argparse.Namespace, report: Report) -> None
     )
 
 
+async def over_quota(url: str, args: argparse.Namespace, report: Report) -> None:
+    from shared.errors import QuotaExceeded
+    from shared.redis_conn import connect_redis
+    from worker.quota import read_quotas, set_quota
+
+    keys, rng = Keys(), random.Random(args.seed + 6)
+    raw = connect_redis(url)
+    await set_quota(raw, keys, "q", {"in_flight": args.quota})
+    pool = Pool(url, args)
+    refusals: list[float] = []
+    admitted = answered = 0
+    try:
+        lm = await pool.lm("q")
+        await lm.next_token_logprobs([1])  # its connection made, the quota known
+        admitted, answered = 1, 1
+        while len(refusals) < args.samples:
+            batch = [
+                [rng.randrange(1, args.vocab) for _ in range(args.tokens)]
+                for _ in range(args.quota)
+            ]
+            held = asyncio.create_task(lm.batch_next_token_logprobs(batch))
+            while int(await raw.zcard(keys.quota_leases("q"))) < args.quota:
+                await asyncio.sleep(0.0005)
+            admitted += args.quota
+            while not held.done() and len(refusals) < args.samples:
+                t0 = time.perf_counter()
+                try:
+                    await lm.next_token_logprobs([rng.randrange(1, args.vocab) for _ in range(4)])
+                except QuotaExceeded:
+                    refusals.append(time.perf_counter() - t0)
+                else:  # the batch's answers came and its leases ended meanwhile
+                    admitted, answered = admitted + 1, answered + 1
+            answered += len(await held)
+        await lm.close()
+        await asyncio.sleep(0.6)  # the worker's heartbeats: its counters are final
+        computed = served(url).get("q", 0)
+        use = (await read_quotas(raw, keys))["q"]
+    finally:
+        pool.close()
+        await raw.aclose()
+    refusals.sort()
+    ms = [1000 * percentile(refusals, q) for q in (50, 99)] + [1000 * refusals[-1]]
+    report.line(
+        f"over quota (tenant Q: {args.quota} in flight at its quota of {args.quota}): "
+        f"{len(refusals)} calls refused with QuotaExceeded in p50 {ms[0]:.2f} ms, p99 "
+        f"{ms[1]:.2f} ms, max {ms[2]:.2f} ms (target < 10 ms: "
+        f"{'met' if ms[2] < 10 else 'NOT met'})"
+    )
+    lost = admitted - answered
+    report.line(
+        f"   admitted {admitted} requests, answered {answered} (lost {lost}); the worker "
+        f"computed {computed:.0f} of Q's; QUOTA counted {use['admitted']} admitted, "
+        f"{use['refused']} refused (target: 0 lost, 0 computed for a refused call: "
+        f"{'met' if lost == 0 and computed == admitted else 'NOT met'})"
+    )
+
+
 async def run(args: argparse.Namespace, report: Report) -> None:
     report.line(
         f"# 1 mock worker (vocabulary {args.vocab}, {args.delay_ms:g} ms a batch + 0.1 ms a row, "
         f"max batch {args.max_batch}); B: this process, one {args.tokens}-token request at a "
         f"time; floods: producer processes; all prompts distinct"
     )
+    phases = {
+        "lone": lone_beside_flood,
+        "weights": weighted,
+        "throughput": throughput,
+        "quota": over_quota,
+    }
     with RedisServer() as server:
-        await lone_beside_flood(server.url, args, report)
-        report.line()
-        await weighted(server.url, args, report)
-        await throughput(server.url, args, report)
-        report.line("quotas (QuotaExceeded): not built; no figure")
+        for name in args.phases.split(","):
+            await phases[name](server.url, args, report)
+            report.line()
     report.line(f"# load at the end: {benchkit.load_average()}")
 
 
@@ -256,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16, help="LMPOOL_MAX_BATCH")
     parser.add_argument("--window-s", type=float, default=4.0, help="measured seconds")
     parser.add_argument("--rounds", type=int, default=2, help="tenant on/off alternations")
+    parser.add_argument(
+        "--phases", default="lone,weights,throughput,quota", help="which, comma-separated"
+    )
+    parser.add_argument("--quota", type=int, default=64, help="Q's quota of requests in flight")
     parser.add_argument("--seed", type=int, default=0)
     benchkit.output_args(parser)
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ skips them (the workers' fair shares still hold it to its weight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -56,11 +57,19 @@ class QuotaGate:
         """Until then, calls go without asking: no quota was set a second ago."""
         self.asking_until = 0.0
         """While a call asks whether a quota is set, the others wait for its answer."""
+        self._asked: asyncio.Future[None] | None = None
+        """Done when the asking call (of an event loop) has its answer."""
         self.ids = itertools.count()
         """Lease numbers of this producer (its client id makes them unique in the pool)."""
         k, tenant = target.keys, target.tenant
         self.limits = k.quota(tenant) if tenant else ""
-        self.keys = [k.quota_use(tenant), k.quota_leases(tenant)] if tenant else []
+        self.keys = (
+            [k.quota_use(tenant), k.quota_leases(tenant), k.quota_bucket(tenant)] if tenant else []
+        )
+
+    def skips(self) -> bool:
+        """Whether a call goes now without asking (no quota a moment ago): a cheap check."""
+        return not self.quota_set and time.monotonic() < self.none_until
 
     def _next(self) -> str:
         """What a call does now: ``skip`` (no quota, as asked at most a second ago), ``ask``
@@ -77,19 +86,32 @@ class QuotaGate:
         return "ask"
 
     def _learn(self, a: Admission) -> None:
+        """What the asking call found; its waiters go on."""
         self.quota_set = not a.no_quota
         self.none_until = time.monotonic() + NO_QUOTA_RECHECK_S if a.no_quota else 0.0
         self.asking_until = 0.0
+        asked, self._asked = self._asked, None
+        if asked is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits
+                asked.get_loop().call_soon_threadsafe(_done, asked)
 
     async def admit(self, redis: Any, prepared: list[Prepared], timeout_s: float) -> list[str]:
         """The leases of ``prepared``, admitted together (``[]``: no quota applies)."""
+        loop = asyncio.get_running_loop()
         while (step := self._next()) == "wait":
-            await asyncio.sleep(WAIT_FIRST_S / 2)
+            asked = self._asked
+            if asked is not None and asked.get_loop() is loop:
+                await asyncio.shield(asked)
+            else:  # asked from another loop or thread
+                await asyncio.sleep(WAIT_FIRST_S / 2)
         if step == "skip":
             return []
+        if not self.quota_set:  # the calls of this loop that come meanwhile wait for this one
+            self._asked = loop.create_future()
         a = Admission(self, prepared, timeout_s)
         try:
             while (delay := a.answer(await _run(redis, self.keys, a.args()))) > 0:
+                self._learn(a)
                 await asyncio.sleep(delay)
         finally:  # a refusal, an answer, or no answer at all (then every call asks)
             self._learn(a)
@@ -104,6 +126,7 @@ class QuotaGate:
         a = Admission(self, prepared, timeout_s)
         try:
             while (delay := a.answer(_run_sync(redis, self.keys, a.args()))) > 0:
+                self._learn(a)
                 time.sleep(delay)
         finally:
             self._learn(a)
@@ -185,6 +208,11 @@ class Admission:
             f"{why}: the call of {n} request(s) was not queued{after}",
             retry_after_s=retry_ms / 1000,
         )
+
+
+def _done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def _run(redis: Any, keys: list[str], args: list[Any]) -> Any:

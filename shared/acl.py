@@ -17,7 +17,7 @@ PRODUCER_COMMANDS = (
     "getex",  # results (a result's first read gives it its TTL)
     "blmpop",  # replies
     "time",  # the server's clock, for request deadlines
-    "hmget", "hset", "zremrangebyscore", "zcard", "pttl", "zrem",  # QUOTA, its leases' end
+    "hmget", "zmscore", "zremrangebyscore", "zcard", "pttl", "zrem",  # QUOTA, leases' end
     "acl|whoami",  # the producer's tenant is its ACL user
     "info",  # whether the server is a cluster node (asked once per connect)
     "zrangebyscore", "hgetall", "smembers", "xpending",  # discovery, error messages
@@ -58,7 +58,7 @@ def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool
         own = [
             f"{{*}}:high:{user}",
             f"{{*}}:low:{user}",
-            f"quota:{{{user}}}:*",  # its quota's use and leases, not its limits
+            f"quota:{{{user}}}:*",  # its quota's use, leases and bucket, not its limits
             *TENANT_WRITES,
         ]
         keys = f"%R~{prefix}:* " + " ".join(f"~{prefix}:{pattern}" for pattern in own)

@@ -44,7 +44,8 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("P:reply:C", "list", "replies for producer connection `C`"),
     ("P:quotas", "set", "tenants that have a quota"),
     ("P:quota:{T}", "hash", "tenant `T`'s quota: in_flight, tokens_per_s (0: no limit)"),
-    ("P:quota:{T}:use", "hash", "its token bucket (tokens, ms) and admitted / refused counts"),
+    ("P:quota:{T}:use", "hash", "its admitted and refused requests (counts)"),
+    ("P:quota:{T}:bucket", "zset", "its token bucket: members `tokens`, `ms` (when last filled)"),
     ("P:quota:{T}:leases", "zset", "its requests in flight: lease id -> expiry time (ms)"),
     ("P:lora:M", "hash", "adapters added at run time: name -> description (JSON)"),
     ("P:lorafile:M:N:H", "string", "one file of adapter `N` (content hash `H`)"),
@@ -177,6 +178,9 @@ class Keys:
 
     def quota_use(self, tenant: str) -> str:
         return self._k("quota", f"{{{check_tenant(tenant)}}}", "use")
+
+    def quota_bucket(self, tenant: str) -> str:
+        return self._k("quota", f"{{{check_tenant(tenant)}}}", "bucket")
 
     def quota_leases(self, tenant: str) -> str:
         return self._k("quota", f"{{{check_tenant(tenant)}}}", "leases")

@@ -149,8 +149,10 @@ return #due
 QUOTA = """
 -- A tenant's call asks to start: all its requests, or none of them (a refused call leaves no
 -- trace but its count). Producers run it before SUBMIT, for tenants with a quota.
--- KEYS: the tenant's use (token bucket, counters) and its leases: the keys it writes, which a
---       tenant's ACL user may write (EVAL needs write access to every key it declares)
+-- KEYS: the tenant's use (counters), its leases and its token bucket: the keys it writes,
+--       which a tenant's ACL user may write (EVAL needs write access to every key it
+--       declares); the bucket is a sorted set (members tokens and ms) so that producers need
+--       no HSET, which would let them write the model's metadata
 -- ARGV: the tenant's quota key (limits, set by the operator; read here, in the same slot
 --       through the tenant's hash tag), lease ms (a lease never released, its producer dead,
 --       ends then), the call's prompt tokens, then one lease id per request
@@ -176,12 +178,13 @@ if most > 0 then
   if redis.call('ZCARD', KEYS[2]) + n > most then return refuse(1, 0) end
 end
 if rate > 0 then
-  local use = redis.call('HMGET', KEYS[1], 'tokens', 'ms')
-  local have, at = tonumber(use[1]) or rate, tonumber(use[2]) or now
+  local bucket = redis.call('ZMSCORE', KEYS[3], 'tokens', 'ms')
+  local have, at = tonumber(bucket[1]) or rate, tonumber(bucket[2]) or now
   have = math.min(rate, have + rate * math.max(now - at, 0) / 1000)
   local need = math.min(cost, rate)
   if have < need then return refuse(2, math.ceil((need - have) * 1000 / rate)) end
-  redis.call('HSET', KEYS[1], 'tokens', tostring(have - cost), 'ms', now)
+  redis.call('ZADD', KEYS[3], have - cost, 'tokens', now, 'ms')
+  redis.call('PEXPIRE', KEYS[3], 60000)  -- a bucket a minute idle is full again anyway
 end
 if most > 0 then
   for i = 4, #ARGV do redis.call('ZADD', KEYS[2], now + lease_ms, ARGV[i]) end

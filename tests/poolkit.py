@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import time
@@ -33,6 +34,19 @@ class WorkerProcess(launch.WorkerProcess):
     def __init__(self, redis_url: str, log_dir: Path, **settings: Any) -> None:
         settings.setdefault("heartbeat_s", 0.2)
         super().__init__(redis_url, log_dir, **settings)
+
+
+@functools.cache
+def _mock(vocab_size: int) -> Any:
+    from worker.backends.mock import MockBackend
+
+    return MockBackend(vocab_size)
+
+
+def mock_row(vocab_size: int, ids: list[int]) -> torch.Tensor:
+    """The mock backend's row for ``ids``, as its workers compute it (one backend per vocabulary
+    size: building its tokenizer costs a millisecond, too much per row of a flood)."""
+    return _mock(vocab_size).logprobs([ids], None)[0]
 
 
 def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:

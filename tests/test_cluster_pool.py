@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import redis
 import torch
+from poolkit import mock_row
 
 from localpool.redis_cluster import RedisCluster
 from producer import RemoteLM
 from shared.keys import GROUP, Keys
 from shared.redis_conn import connect_redis_sync
 from shared.settings import Settings
-from worker.backends.mock import MockBackend
 
 V = 300
 MODEL = f"mock-{V}"
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def reference(ids: list[int]) -> torch.Tensor:
-    return MockBackend(V).logprobs([ids], None)[0]
+    return mock_row(V, ids)
 
 
 def pending(url: str, shards: int = 4) -> int:

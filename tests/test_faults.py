@@ -19,7 +19,7 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
-from poolkit import wait_until
+from poolkit import mock_row, wait_until
 
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def reference(ids: list[int]) -> torch.Tensor:
-    return MockBackend(V).logprobs([ids], None)[0]
+    return mock_row(V, ids)
 
 
 def pending_count(url: str) -> int:

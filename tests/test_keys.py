@@ -66,6 +66,7 @@ def _built() -> list[str]:
         k.quotas,
         k.quota(SAMPLE["T"]),
         k.quota_use(SAMPLE["T"]),
+        k.quota_bucket(SAMPLE["T"]),
         k.quota_leases(SAMPLE["T"]),
     ]
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
-from poolkit import wait_until
+from poolkit import mock_row, wait_until
 from redis.exceptions import NoPermissionError
 
 from localpool.redis_server import RedisServer
@@ -27,7 +27,6 @@ from shared.errors import QuotaExceeded
 from shared.keys import Keys
 from shared.redis_conn import connect_redis, connect_redis_sync
 from shared.settings import Settings
-from worker.backends.mock import MockBackend
 from worker.quota import main as quota_cli
 from worker.quota import read_quotas, set_quota
 from worker.status import collect, render
@@ -38,7 +37,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def reference(ids: list[int]) -> torch.Tensor:
-    return MockBackend(V).logprobs([ids], None)[0]
+    return mock_row(V, ids)
 
 
 async def connect(url: str, tenant: str, **kwargs: Any) -> RemoteLM:

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from poolkit import mock_row
 
 from producer import RemoteLM
 from producer.remote_lm import token_array
 from producer.routing import shard_of
-from worker.backends.mock import MockBackend
 
 V = 300
 MODEL = f"mock-{V}"
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def reference(ids: list[int]) -> torch.Tensor:
-    return MockBackend(V).logprobs([ids], None)[0]
+    return mock_row(V, ids)
 
 
 def packed(ids: list[int]) -> bytes:

@@ -10,12 +10,12 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
+from poolkit import mock_row
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from shared.acl import producer_rule, worker_rule
-from worker.backends.mock import MockBackend
 
 V = 300
 MODEL = f"mock-{V}"
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def reference(ids: list[int]) -> torch.Tensor:
-    return MockBackend(V).logprobs([ids], None)[0]
+    return mock_row(V, ids)
 
 
 @pytest.mark.asyncio
