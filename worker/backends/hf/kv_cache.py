@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from worker.backends.hf.kv_buffers import FilledLayer, PassBuffers, runs
 from worker.backends.hf.kv_trie import KVTrie, Node, Row, ancestry, lcp
 
 SHARE_MIN_TOKENS = 16
@@ -138,6 +139,7 @@ class KVCache(KVTrie):
         self.tokens_reused = 0
         self.tokens_computed = 0
         self.forward_passes = 0
+        self.buffers = PassBuffers(self.layout.device, self.layout.dtype)
 
     # -- public API ---------------------------------------------------------------------
     def last_logits(
@@ -317,11 +319,10 @@ class KVCache(KVTrie):
         # (a plain DynamicLayer would concatenate, copying every past a second time); the new
         # positions are all written by the forward pass.
         shape = (lay.layers, rows, lay.kv_heads, past + width)
-        buf_k = torch.empty((*shape, lay.key_dim), dtype=lay.dtype, device=lay.device)
-        buf_v = torch.empty((*shape, lay.value_dim), dtype=lay.dtype, device=lay.device)
+        buf_k, buf_v = self.buffers.take(shape, lay.key_dim, lay.value_dim)
         self._gather(plans, past, buf_k, buf_v)
         cache = DynamicCache(config=self.config)
-        cache.layers = [_FilledLayer(buf_k[n], buf_v[n], past) for n in range(lay.layers)]
+        cache.layers = [FilledLayer(buf_k[n], buf_v[n], past) for n in range(lay.layers)]
         tail = max(p.tail for p in plans)
         # the positions whose logits are wanted, per row (clamped at 0: filler)
         wanted = [[max(p.new - tail + t, 0) for t in range(tail)] for p in plans]
@@ -339,7 +340,7 @@ class KVCache(KVTrie):
                 logits_to_keep=keep if isinstance(keep, int) else keep.to(lay.device),
             )
         if out.past_key_values is not cache or any(
-            not isinstance(layer, _FilledLayer) or not layer.filled for layer in cache.layers
+            not isinstance(layer, FilledLayer) or not layer.filled for layer in cache.layers
         ):
             raise RuntimeError("the model did not store its key/values in the cache it was given")
         for i, p in enumerate(plans):
@@ -372,49 +373,19 @@ class KVCache(KVTrie):
                 at += take
             if at < past:
                 short.setdefault(at, []).append(i)
-        device = buf_k.device
+        # Rows that use a piece come in runs of consecutive rows (the shared prompt: all of
+        # them): one broadcast copy per run. An index tensor instead (index_put) took 42% of
+        # the worker's time at SmolLM2-135M's shape on the CPU (docs/performance.md).
         for (_, at, take), (keys, values, index) in uses.items():
-            if len(index) == 1:
-                buf_k[:, index[0], :, at : at + take] = keys[:, :, :take]
-                buf_v[:, index[0], :, at : at + take] = values[:, :, :take]
-            else:
-                rows = torch.tensor(index, device=device)
-                buf_k[:, rows, :, at : at + take] = keys[:, None, :, :take]
-                buf_v[:, rows, :, at : at + take] = values[:, None, :, :take]
+            for lo, hi in runs(index):
+                buf_k[:, lo:hi, :, at : at + take] = keys[:, None, :, :take]
+                buf_v[:, lo:hi, :, at : at + take] = values[:, None, :, :take]
         # Padding in the past is zeroed: masked slots get weight 0, and 0 * NaN would poison
         # the row.
         for at, index in short.items():
-            rows = torch.tensor(index, device=device)
-            buf_k[:, rows, :, at:past] = 0
-            buf_v[:, rows, :, at:past] = 0
-
-
-class _FilledLayer(DynamicLayer):
-    """A ``DynamicLayer`` over preallocated ``[rows, heads, past + width, dim]`` buffers that
-    already hold the pasts: ``update`` writes the new positions in place."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        # named rather than super(): mypy checks a super() call against no untyped_calls_exclude
-        DynamicLayer.__init__(self)
-        self._keys_buf, self._values_buf = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.keys, self.values = keys[:, :, :past], values[:, :, :past]
-        self.is_initialized = True
-        self.filled = False
-        self._past = past
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self._past
-        end = start + key_states.shape[-2]
-        if self.filled or end > self._keys_buf.shape[-2]:
-            raise RuntimeError("one update per forward pass, of at most the planned width")
-        self._keys_buf[:, :, start:end] = key_states
-        self._values_buf[:, :, start:end] = value_states
-        self.keys, self.values = self._keys_buf[:, :, :end], self._values_buf[:, :, :end]
-        self.filled = True
-        return self.keys, self.values
+            for lo, hi in runs(index):
+                buf_k[:, lo:hi, :, at:past] = 0
+                buf_v[:, lo:hi, :, at:past] = 0
 
 
 def _groups(plans: list[_Plan]) -> list[list[_Plan]]:
