@@ -21,6 +21,19 @@ class Calls:
         self.client = client
         self.cache = cache
 
+    async def one(self, prepared: Prepared, timeout_s: float) -> torch.Tensor:
+        """:meth:`run` for a call of one request (most calls: each particle's own)."""
+        cacheable = prepared.request["kind"] != "cache_kv"
+        hit = self.cache.get(prepared.digest) if cacheable else None
+        if hit is not None:
+            return hit
+        if not self.client.quota.skips():
+            return (await self.run([prepared], timeout_s))[0]
+        result = protocol.decode_result(await self.client.request(prepared, timeout_s))
+        if cacheable:
+            self.cache[prepared.digest] = result
+        return result
+
     async def run(self, prepared: list[Prepared], timeout_s: float) -> list[torch.Tensor]:
         """One result per request of ``prepared`` (duplicates asked once)."""
         out, missing = self._cached(prepared)

@@ -218,7 +218,7 @@ class RemoteLM(AdapterMethods):
         return Prepared(digest, shard, request)
 
     async def _call(self, prepared: Prepared) -> torch.Tensor:
-        return (await self._calls([prepared]))[0]
+        return await self._runner.one(prepared, self.timeout_s)
 
     async def _calls(self, prepared: list[Prepared]) -> list[torch.Tensor]:
         return await self._runner.run(prepared, self.timeout_s)
