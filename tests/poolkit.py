@@ -6,6 +6,9 @@ import asyncio
 import functools
 import json
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -173,3 +176,34 @@ def smc_batches(
         yield [*parts, parts[0], *extra]
         history.extend(parts)
         parts = [list(rng.choice(parts)) for _ in range(particles)]
+
+
+PRODUCER_TO_KILL = """
+import asyncio, sys
+from producer import RemoteLM
+async def main():
+    lm = await RemoteLM.connect(sys.argv[1], model=sys.argv[2], timeout_s=1, tenant=sys.argv[3])
+    asks = [[int(t) for t in p.split(",")] for p in sys.argv[4:]]
+    task = asyncio.create_task(lm.batch_next_token_logprobs(asks))
+    await asyncio.sleep(0.3)
+    print("submitted", flush=True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+async def producer_in_flight(
+    url: str, model: str, prompts: list[list[int]], tenant: str = ""
+) -> subprocess.Popen[bytes]:
+    """A producer process (timeout 1 s) with ``prompts`` in flight as one call, once it has
+    sent them: the caller kills it (SIGKILL: :func:`kill`) to leave them behind."""
+    argv = [url, model, tenant, *(",".join(map(str, p)) for p in prompts)]
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER_TO_KILL, *argv], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert (await asyncio.to_thread(proc.stdout.readline)).strip() == b"submitted"
+    return proc
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +16,7 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
-from poolkit import mock_row, wait_until
+from poolkit import kill, mock_row, producer_in_flight, wait_until
 
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
@@ -466,19 +463,6 @@ async def test_a_full_capped_redis_evicts_results_and_every_answer_is_right(
     assert stats["evicted_keys"] > 0
 
 
-PRODUCER_SCRIPT = """
-import asyncio, sys
-from producer import RemoteLM
-async def main():
-    lm = await RemoteLM.connect(sys.argv[1], model=sys.argv[2], timeout_s=1)
-    tasks = [asyncio.create_task(lm.next_token_logprobs([i, 7, 7])) for i in range(50)]
-    await asyncio.sleep(0.3)
-    print("submitted", flush=True)
-    await asyncio.sleep(60)
-asyncio.run(main())
-"""
-
-
 @pytest.mark.asyncio
 async def test_key_count_returns_to_baseline_after_producers_vanish(
     redis_url: str, workers: Callable[..., Any]
@@ -500,14 +484,9 @@ async def test_key_count_returns_to_baseline_after_producers_vanish(
 
     # the per-shard counters are the only keys meant to last (a bounded number per model)
     baseline = keys_now() | {Keys().stats(MODEL, s).encode() for s in range(shards)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER_SCRIPT, redis_url, MODEL], stdout=subprocess.PIPE
-    )
-    assert proc.stdout is not None
-    assert (await asyncio.to_thread(proc.stdout.readline)).strip() == b"submitted"
+    proc = await producer_in_flight(redis_url, MODEL, [[i, 7, 7] for i in range(50)])
     assert len(keys_now() - baseline) > 10
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill(proc)
     await wait_until(lambda: keys_now() <= baseline, 30, "keys to expire")
     r.close()
 

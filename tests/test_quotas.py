@@ -6,9 +6,6 @@ own quota."""
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +14,7 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
-from poolkit import mock_row, wait_until
+from poolkit import kill, mock_row, producer_in_flight, wait_until
 from redis.exceptions import NoPermissionError
 
 from localpool.redis_server import RedisServer
@@ -168,32 +165,13 @@ async def test_prompt_tokens_per_second(redis_url: str, workers: Callable[..., A
     assert queued_by(redis_url, "alice") == 3
 
 
-PRODUCER = """
-import asyncio, sys
-from producer import RemoteLM
-async def main():
-    lm = await RemoteLM.connect(sys.argv[1], model=sys.argv[2], timeout_s=1, tenant="alice")
-    task = asyncio.create_task(lm.batch_next_token_logprobs([[4, 4], [4, 5]]))  # 2 leases
-    await asyncio.sleep(0.3)
-    print("submitted", flush=True)
-    await asyncio.sleep(60)
-asyncio.run(main())
-"""
-
-
 @pytest.mark.asyncio
 async def test_a_dead_producers_requests_stop_counting_when_their_time_is_up(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
     workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000, max_batch=2)
     await quota(redis_url, "alice", in_flight=2)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, redis_url, MODEL], stdout=subprocess.PIPE
-    )
-    assert proc.stdout is not None
-    assert (await asyncio.to_thread(proc.stdout.readline)).strip() == b"submitted"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill(await producer_in_flight(redis_url, MODEL, [[4, 4], [4, 5]], tenant="alice"))
     killed = time.monotonic()
     async with await connect(redis_url, "alice", timeout_s=5) as lm:
         with pytest.raises(QuotaExceeded):
