@@ -184,6 +184,10 @@ class PoolClient:
         with self._lock:
             states, self._loops = list(self._loops.values()), {}
             syncs, self._sync_states = self._sync_states, []
+        for state in states:  # the tenant's quota gets back what this producer's calls held
+            if state.loop is current and state.dead is None:
+                with contextlib.suppress(Exception):  # else they end at their expiry
+                    await self.quota.release_all(state.redis)
         for state in states:
             if state.loop is current:
                 await state.end(reason)

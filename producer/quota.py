@@ -59,6 +59,8 @@ class QuotaGate:
         """While a call asks whether a quota is set, the others wait for its answer."""
         self._asked: asyncio.Future[None] | None = None
         """Done when the asking call (of an event loop) has its answer."""
+        self.held: set[str] = set()
+        """Leases of this producer's calls in flight (a close ends them all at once)."""
         self.ids = itertools.count()
         """Lease numbers of this producer (its client id makes them unique in the pool)."""
         k, tenant = target.keys, target.tenant
@@ -115,6 +117,7 @@ class QuotaGate:
                 await asyncio.sleep(delay)
         finally:  # a refusal, an answer, or no answer at all (then every call asks)
             self._learn(a)
+        self.held.update(a.leases)
         return a.leases
 
     def admit_sync(self, redis: Any, prepared: list[Prepared], timeout_s: float) -> list[str]:
@@ -130,12 +133,14 @@ class QuotaGate:
                 time.sleep(delay)
         finally:
             self._learn(a)
+        self.held.update(a.leases)
         return a.leases
 
     def release(self, redis: Any, leases: list[str]) -> None:
         """End ``leases`` in the background of the running loop (a cancelled call's too)."""
         if not leases:
             return
+        self.held.difference_update(leases)
         task = asyncio.get_running_loop().create_task(redis.zrem(self.keys[1], *leases))
         KEEP.add(task)
 
@@ -151,7 +156,14 @@ class QuotaGate:
 
     def release_sync(self, redis: Any, leases: list[str]) -> None:
         if leases:
+            self.held.difference_update(leases)
             redis.zrem(self.keys[1], *leases)
+
+    async def release_all(self, redis: Any) -> None:
+        """End every lease still held (the producer closes: its calls in flight fail)."""
+        held, self.held = list(self.held), set()
+        if held:
+            await redis.zrem(self.keys[1], *held)
 
 
 class Admission:

@@ -20,7 +20,7 @@ from redis.exceptions import NoPermissionError
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from shared.acl import producer_rule, worker_rule
-from shared.errors import QuotaExceeded
+from shared.errors import LMPoolError, QuotaExceeded
 from shared.keys import Keys
 from shared.redis_conn import connect_redis, connect_redis_sync
 from shared.settings import Settings
@@ -182,6 +182,21 @@ async def test_a_dead_producers_requests_stop_counting_when_their_time_is_up(
             await asyncio.sleep(0.1)
         assert 4 < time.monotonic() - killed < 7
         assert torch.equal(await lm.next_token_logprobs([7, 7]), reference([7, 7]))
+
+
+@pytest.mark.asyncio
+async def test_closing_a_producer_gives_back_what_its_calls_held(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000, max_batch=1)
+    await quota(redis_url, "alice", in_flight=2)
+    lm = await connect(redis_url, "alice")
+    call = asyncio.create_task(lm.batch_next_token_logprobs([[6, 1], [6, 2]]))
+    await wait_until(lambda: queued_by(redis_url, "alice") == 2, 10, "the call to be queued")
+    await lm.close()
+    with pytest.raises(LMPoolError, match="closed"):
+        await call
+    assert (await quota(redis_url, "alice", in_flight=2))["alice"]["in_flight_now"] == 0
 
 
 @pytest.mark.asyncio
