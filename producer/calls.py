@@ -23,7 +23,7 @@ class Calls:
 
     async def one(self, prepared: Prepared, timeout_s: float) -> torch.Tensor:
         """:meth:`run` for a call of one request (most calls: each particle's own)."""
-        cacheable = prepared.request["kind"] != "cache_kv"
+        cacheable = _cacheable(prepared)
         hit = self.cache.get(prepared.digest) if cacheable else None
         if hit is not None:
             return hit
@@ -70,12 +70,11 @@ class Calls:
     def _cached(
         self, prepared: list[Prepared]
     ) -> tuple[dict[str, torch.Tensor], dict[str, Prepared]]:
-        """``(found, missing)`` by digest: what the LRU holds, and the rest (once each).
-        ``cache_kv`` requests are never cached."""
+        """``(found, missing)`` by digest: what the LRU holds, and the rest (once each)."""
         found: dict[str, torch.Tensor] = {}
         missing: dict[str, Prepared] = {}
         for p in prepared:
-            hit = self.cache.get(p.digest) if p.request["kind"] != "cache_kv" else None
+            hit = self.cache.get(p.digest) if _cacheable(p) else None
             if hit is not None:
                 found[p.digest] = hit
             else:
@@ -90,5 +89,10 @@ class Calls:
     ) -> None:
         for digest, data in raws.items():
             out[digest] = protocol.decode_result(data)
-            if missing[digest].request["kind"] != "cache_kv":
+            if _cacheable(missing[digest]):
                 self.cache[digest] = out[digest]
+
+
+def _cacheable(p: Prepared) -> bool:
+    """Whether ``p``'s result may go into the LRU: a ``cache_kv`` pin's never does."""
+    return p.request["kind"] != "cache_kv"
