@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 import msgpack
 import torch
 
-from shared.codec import decode_tensor, encode_tensor
+from shared.codec import cast, decode_tensor, encode_tensor
 from shared.errors import LMPoolError, ProtocolError, WireError, error_from_wire
 
 PROTOCOL_VERSION = 2
@@ -143,6 +143,29 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
 def encode_result(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
     """Encoded result value: what the shared cache stores (rows optionally in ``dtype``)."""
     return encode_tensor(tensor, dtype)
+
+
+def encode_results(
+    tensors: list[torch.Tensor], dtype: torch.dtype | None = None, one_copy: bool | None = None
+) -> list[bytes]:
+    """``encode_result`` of each of ``tensors``; a step's rows on an accelerator (same shape,
+    dtype and device) are stacked, cast and copied to the host together: one device-to-host
+    copy and one wait for the device per step instead of one per row. ``one_copy`` forces the
+    choice (tests); by default it is taken for tensors off the CPU, where rows need no copy."""
+    if not tensors:
+        return []
+    first = tensors[0]
+    if one_copy is None:
+        one_copy = first.device.type != "cpu"
+    alike = all(
+        t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+        for t in tensors
+    )
+    if not (one_copy and alike and len(tensors) > 1):
+        return [encode_tensor(t, dtype) for t in tensors]
+    stacked = torch.stack([t.detach() for t in tensors])
+    host = (stacked if dtype is None else cast(stacked, dtype)).cpu()
+    return [encode_tensor(row) for row in host]
 
 
 def decode_result(data: bytes | bytearray) -> torch.Tensor:

@@ -237,3 +237,20 @@ def test_fuzz_tensor_decoder(head: bytes, tail: bytes) -> None:
         except ProtocolError:
             continue
         assert t.numel() * t.element_size() <= len(data)
+
+
+@pytest.mark.parametrize("wire", [None, torch.float32, torch.float16, torch.bfloat16])
+def test_a_steps_rows_encoded_together_as_one_by_one(wire: torch.dtype | None) -> None:
+    """``encode_results``' one-copy path (taken for rows on a GPU) gives each row the bytes
+    that encoding it alone gives; rows of different shapes or dtypes go one by one."""
+    g = torch.Generator().manual_seed(3)
+    rows = list(torch.log_softmax(torch.randn(5, 1000, generator=g), -1))
+    alone = [protocol.encode_result(r, wire) for r in rows]
+    assert protocol.encode_results(rows, wire, one_copy=True) == alone
+    assert protocol.encode_results(rows, wire) == alone
+    mixed = [*rows, torch.arange(4)]
+    assert protocol.encode_results(mixed, wire, one_copy=True) == [
+        *alone,
+        protocol.encode_result(torch.arange(4), wire),
+    ]
+    assert protocol.encode_results([], wire, one_copy=True) == []

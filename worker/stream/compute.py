@@ -9,7 +9,8 @@ the same cores (measured: eight concurrent samples 2.05x one through asyncio's d
 see ``bench/generation.py``). Jobs that arrive during a step join at
 the next one: a next-token request waits for at most the step in progress (the backend's
 scheduler puts it ahead of the next decode step of running generations). Results are encoded
-in the same thread, right after the step, in the pool's wire dtype.
+in the same thread, right after the step, in the pool's wire dtype (a step's rows on a GPU leave
+it in one copy: ``encode_results``).
 
 With ``LMPOOL_MAX_WAIT_MS`` set, an idle model holds a partly filled batch until it fills or
 that long after its oldest job was read, while the reader reads (``gathering``).
@@ -31,7 +32,7 @@ from typing import TypeVar
 from shared.aio import wait_event
 from shared.codec import torch_dtype
 from shared.errors import Expired, WorkerError
-from shared.protocol import encode_result
+from shared.protocol import encode_result, encode_results
 from shared.settings import Settings
 from worker.backends.base import Backend, EngineDead, Work
 from worker.stream.batcher import TRIAGE_AFTER_MS, Job
@@ -264,11 +265,22 @@ class Compute:
     def _step(self) -> list[Work]:
         """In the compute thread: one backend step, its results encoded."""
         works = self.backend.step()
+        rows = [
+            w
+            for w in works
+            if w.kind == "logprobs"
+            and w.error is None
+            and w.result is not None
+            and isinstance(w.tag, Job)
+        ]
+        encoded = encode_results([w.result for w in rows], self.wire_dtype)  # type: ignore[misc]
+        data = {id(w): d for w, d in zip(rows, encoded, strict=True)}
         for w in works:
-            self._settle(w)
+            self._settle(w, data.get(id(w)))
         return works
 
-    def _settle(self, work: Work) -> None:
+    def _settle(self, work: Work, encoded: bytes | None = None) -> None:
+        """The job's answer from its work: the error, or the result (``encoded`` already)."""
         job = work.tag
         if not isinstance(job, Job):
             return
@@ -277,6 +289,8 @@ class Compute:
                 "request %s failed: %r", job.digest, work.error, extra={"digest": job.digest}
             )
             job.fail(work.error)
+        elif encoded is not None:
+            job.result = encoded
         elif work.result is not None:
             dtype = self.wire_dtype if work.kind == "logprobs" else None
             job.result = encode_result(work.result, dtype)  # cast on the device, then copied
