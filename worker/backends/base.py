@@ -225,6 +225,12 @@ class Backend(ABC):
     def has_work(self) -> bool:
         return bool(self._queued or self._running)
 
+    def abandon(self) -> None:
+        """Forget every queued and running work: a step failed as a whole, and the worker
+        answered them all with its error."""
+        self._queued.clear()
+        self._running.clear()
+
     def step(self) -> list[Work]:
         """Advance the queued and running works by one model call; returns those finished."""
         if not self.has_work():

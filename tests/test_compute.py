@@ -1,0 +1,164 @@
+"""The compute loop with the real mock backend, whose steps cost a fixed time in the compute
+thread (``LMPOOL_MOCK_DELAY_MS``): steps follow one another in that thread without waiting for
+the event loop, an adapter load still finds a gap between two steps of a flood, and a step that
+fails loses nothing handed over meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shared.protocol import decode_result
+from shared.settings import Settings
+from worker.backends.base import Work
+from worker.backends.mock import MockBackend
+from worker.stream.batcher import Job
+from worker.stream.compute import Compute
+
+pytestmark = pytest.mark.asyncio
+
+VOCAB = 64
+DELAY_MS = 20.0
+
+
+class Harness:
+    def __init__(self, max_batch: int = 4) -> None:
+        self.backend = MockBackend(VOCAB, delay_ms=DELAY_MS)
+        self.spans: list[tuple[float, float]] = []
+        """(start, end) of each of the model's batches (monotonic seconds)."""
+        timed = self.backend.logprobs
+
+        def logprobs(prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+            start = time.monotonic()
+            try:
+                return timed(prompts, lora)
+            finally:
+                self.spans.append((start, time.monotonic()))
+
+        self.backend.logprobs = logprobs  # type: ignore[method-assign]
+        self.finished: list[Job] = []
+
+        async def triage(jobs: list[Job]) -> None:
+            return None
+
+        self.compute = Compute(
+            self.backend,
+            Settings(max_batch=max_batch),
+            self.finished.extend,
+            lambda works, seconds: None,
+            lambda: time.time() * 1000,
+            triage,
+        )
+        self.compute.step_s = DELAY_MS / 1000  # in the compute thread from the first step
+        self.made = 0
+        self.done = False
+
+    def jobs(self, n: int) -> list[Job]:
+        out = []
+        for _ in range(n):
+            self.made += 1
+            job = Job(f"{self.made:064x}", 0, [])
+            job.work = Work("logprobs", [1, 2, self.made % VOCAB], tag=job)
+            out.append(job)
+        return out
+
+    async def until(self, ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not ok():
+                await asyncio.sleep(0.002)
+
+    async def run(self) -> None:
+        await self.compute.run_until(lambda: self.done, _nothing_to_claim)
+
+    def check_answers(self) -> None:
+        """Every job made was answered once, with its own row (or an error)."""
+        digests = [j.digest for j in self.finished]
+        assert sorted(digests) == sorted(f"{i:064x}" for i in range(1, self.made + 1))
+        for job in self.finished:
+            if job.error is None:
+                assert job.result is not None
+                want = self.backend._row([1, 2, int(job.digest, 16) % VOCAB], None)
+                assert torch.equal(decode_result(job.result), want)
+
+
+async def _nothing_to_claim() -> bool:
+    return False
+
+
+async def test_the_next_step_does_not_wait_for_a_busy_event_loop() -> None:
+    h = Harness()
+    runner = asyncio.create_task(h.run())
+    h.compute.add(h.jobs(4))
+    await h.until(lambda: len(h.spans) == 0 and h.compute.busy)
+    await asyncio.sleep(DELAY_MS / 4000)  # the first step is in the model
+    h.compute.add(h.jobs(4))
+    time.sleep(0.3)  # the event loop is busy elsewhere (a long callback) for 15 steps' time
+    await h.until(lambda: len(h.finished) == 8)
+    h.done = True
+    h.compute.have.set()
+    await runner
+    assert len(h.spans) == 2
+    (_, first_end), (second_start, _) = h.spans
+    # the second batch ran as soon as the first ended, not after the loop was free again
+    assert second_start - first_end < 0.1, h.spans
+    h.check_answers()
+
+
+async def test_an_adapter_load_finds_a_gap_in_a_flood() -> None:
+    h = Harness()
+    runner = asyncio.create_task(h.run())
+
+    async def flood() -> None:
+        while not h.done:
+            h.compute.add(h.jobs(4))
+            await asyncio.sleep(DELAY_MS / 2000)
+            while h.compute.outstanding > 12:
+                await asyncio.sleep(0.001)
+
+    flooding = asyncio.create_task(flood())
+    await h.until(lambda: len(h.spans) >= 3)
+    asked = time.monotonic()
+    steps_before = len(h.spans)
+    assert await h.compute.call(lambda: "loaded") == "loaded"
+    waited = time.monotonic() - asked
+    assert waited < 0.5, waited  # a step or two, not the end of the flood
+    await h.until(lambda: len(h.spans) >= steps_before + 3)  # the flood goes on after it
+    h.done = True
+    await flooding
+    await h.until(lambda: h.compute.outstanding == 0)
+    h.compute.have.set()
+    await runner
+    h.check_answers()
+
+
+async def test_a_failed_step_loses_nothing_handed_over_meanwhile() -> None:
+    h = Harness()
+    real_step = h.backend.step
+    calls = 0
+
+    def step() -> list[Work]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            time.sleep(DELAY_MS / 1000)
+            raise RuntimeError("the device fell over")
+        return real_step()
+
+    h.backend.step = step  # type: ignore[method-assign]
+    runner = asyncio.create_task(h.run())
+    h.compute.add(h.jobs(8))  # two batches: the second one's step fails
+    await h.until(lambda: calls == 2)
+    h.compute.add(h.jobs(4))  # handed over while the failing step runs
+    await h.until(lambda: len(h.finished) == 12)
+    h.done = True
+    h.compute.have.set()
+    await runner
+    h.check_answers()
+    failed = [j for j in h.finished if j.error is not None]
+    assert failed and all("the device fell over" in str(j.error) for j in failed)
+    # the jobs handed over during the failed step were computed after it
+    assert all(j.error is None for j in h.finished if int(j.digest, 16) > 8)
