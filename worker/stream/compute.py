@@ -7,9 +7,7 @@ event loop). One thread, always the same: torch's CPU thread pool (OpenMP) belon
 that calls into it, and calls from several threads in turn would keep several pools spinning on
 the same cores (measured: eight concurrent samples 2.05x one through asyncio's default executor,
 see ``bench/generation.py``). Jobs that arrive during a step join at
-the next one, handed to the compute thread, which runs the next step as soon as the last ends
-instead of waiting for the event loop (``_chain``; the loop then handles each step's answers
-as they come): a next-token request waits for at most the step in progress (the backend's
+the next one: a next-token request waits for at most the step in progress (the backend's
 scheduler puts it ahead of the next decode step of running generations). Results are encoded
 in the same thread, right after the step, in the pool's wire dtype (a step's rows on a GPU leave
 it in one copy: ``encode_results``).
@@ -26,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -96,12 +93,6 @@ class Compute:
         self.wake_reader: Callable[[], None] = lambda: None
         """Called when a batch starts waiting for company: the reader then reads meanwhile."""
         self.weights = settings.weights()
-        self._inbox: list[Job] = []
-        """Jobs added while the compute thread chains steps: it submits them at its next."""
-        self._chaining = False
-        self._pauses = 0
-        """``call``s waiting for the compute thread: a chain of steps ends for them."""
-        self._inbox_lock = threading.Lock()
         self._finish_tag: dict[str, float] = {}
         """Tenant -> virtual finish time of its last queued work (weighted fair queuing)."""
         self._virtual = 0.0
@@ -129,12 +120,8 @@ class Compute:
                 twin.entries.extend(job.entries)  # acknowledged with it
                 continue
             self.active[job.digest] = job
-            self._rank(job)
-            with self._inbox_lock:
-                if self._chaining:  # the compute thread takes it at its next step
-                    self._inbox.append(job)
-                    continue
             self.ready.append(job)
+            self._rank(job)
         if settled:
             self.on_finished(settled)
         if self.ready:
@@ -190,8 +177,7 @@ class Compute:
             self.gathering_until = 0.0
 
     async def step(self, only: list[Job] | None = None) -> None:
-        """Submit what is ready (or only ``only``) and run one backend step; in the compute
-        thread, steps then follow back to back while there is work (``_chain``)."""
+        """Submit what is ready (or only ``only``) and run one backend step."""
         submit = self.ready if only is None else only
         if only is None:
             self.ready = []
@@ -209,15 +195,11 @@ class Compute:
                 if self.step_s < INLINE_STEP_S:
                     works = self._step()  # cheaper than handing it to the thread and back
                 else:
-                    with self._inbox_lock:
-                        self._chaining = only is None and not self._pauses
-                    loop = asyncio.get_running_loop()
-                    works, started = await in_compute_thread(lambda: self._chain(loop))
+                    works = await in_compute_thread(self._step)
         except EngineDead:
             raise
         except Exception as e:
             # The backend failed as a whole (not one request): answer what it held, go on.
-            self._end_chain()
             log.exception("backend step failed")
             works = [
                 j.work for j in self.active.values() if j.work is not None and j not in self.ready
@@ -228,42 +210,10 @@ class Compute:
             self.backend.abandon()  # answered: none of them may come back from a later step
         finally:
             self.busy = False
-            self._end_chain()
-        self._stepped(works, time.monotonic() - started)
-
-    def _chain(self, loop: asyncio.AbstractEventLoop) -> tuple[list[Work], float]:
-        """In the compute thread: steps back to back while the model has work or the loop
-        hands some over (``add`` while ``_chaining``), so that the model never waits for the
-        event loop between two steps. Each step's works but the last go to the loop as the
-        step ends (``_stepped``, in order); the last ones, and when that step began, are
-        returned."""
-        while True:
-            started = time.monotonic()
-            works = self._step()
-            with self._inbox_lock:
-                # with LMPOOL_MAX_WAIT_MS, a model left with no work gathers on the loop
-                handed = bool(self._inbox) and not self.max_wait_s
-                go_on = self._chaining and not self._pauses
-                if not (go_on and (handed or self.backend.has_work())):
-                    self._chaining = False
-                    return works, started  # the inbox goes back to the loop (_end_chain)
-                inbox, self._inbox = self._inbox, []
-            if inbox:
-                self.backend.submit([j.work for j in inbox if j.work is not None])
-            loop.call_soon_threadsafe(self._stepped, works, time.monotonic() - started)
-
-    def _end_chain(self) -> None:
-        """After a step: a chain still running stops at its next step (a cancelled or failed
-        step), and jobs handed over but not submitted are ready again."""
-        with self._inbox_lock:
-            inbox, self._inbox, self._chaining = self._inbox, [], False
-        self.ready.extend(inbox)
-
-    def _stepped(self, works: list[Work], seconds: float) -> None:
-        """On the loop, after each step: the finished jobs to the writer, the counters."""
-        self.step_s += (seconds - self.step_s) / 8  # a moving average of recent steps
-        self.busy_s += seconds
-        self.steps += 1
+            seconds = time.monotonic() - started
+            self.step_s += (seconds - self.step_s) / 8  # a moving average of recent steps
+            self.busy_s += seconds
+            self.steps += 1
         if works:
             self._virtual = max(self._virtual, max(w.rank for w in works))
         finished = [w.tag for w in works if isinstance(w.tag, Job)]
@@ -309,16 +259,9 @@ class Compute:
         return [j for j in jobs if j.work is not None]
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in the compute thread between two steps (e.g. loading an adapter): a
-        chain of steps ends at its next step for it."""
-        with self._inbox_lock:
-            self._pauses += 1
-        try:
-            async with self.lock:
-                return await in_compute_thread(fn)
-        finally:
-            with self._inbox_lock:
-                self._pauses -= 1
+        """Run ``fn`` in the compute thread between two steps (e.g. loading an adapter)."""
+        async with self.lock:
+            return await in_compute_thread(fn)
 
     def _step(self) -> list[Work]:
         """In the compute thread: one backend step, its results encoded."""
