@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ from poolkit import build_tiny_llama, smc_batches
 from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
-from worker.backends.hf import HFBackend
-from worker.backends.hf.kv_cache import SHARE_MIN_TOKENS, KVCache
+from worker.backends.hf import HFBackend, attention
+from worker.backends.hf.kv_cache import HEAD_MIN_TOKENS, SHARE_MIN_TOKENS, KVCache
 from worker.backends.hf.kv_trie import GROW_MAX_TOKENS
 
 VOCAB = 1000
@@ -291,3 +292,47 @@ def test_scores_reuse_the_shared_context(model_dir: Path, reference: HFBackend) 
     assert cache.tokens_computed - computed <= once + len(items)
     plain = backend.score(contexts[0], items[2][1], None)
     torch.testing.assert_close(plain, want[2][:, 0], atol=ATOL, rtol=0)  # type: ignore[index]
+
+
+def test_a_prefix_every_row_shares_is_attended_in_place(
+    model_dir: Path, reference: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows over one cached prompt of at least ``HEAD_MIN_TOKENS``: the prompt is attended in
+    place (``attention.shared_prefix``), not copied into every row's past, and the results
+    equal the no-cache path's: SMC steps with duplicates, rows of several new tokens padded
+    beside one-token rows, and scores over the prompt."""
+    heads: list[int] = []
+    cascade = attention._cascade
+
+    def counted(query: torch.Tensor, prefix: Any, *args: Any) -> torch.Tensor:
+        heads.append(prefix[0].shape[1])
+        return cascade(query, prefix, *args)
+
+    monkeypatch.setattr(attention, "_cascade", counted)
+    backend = make_backend(model_dir, 8)
+    rng = random.Random(12)
+    prompt = tokens(rng, HEAD_MIN_TOKENS + 20)
+    check(backend, reference, [prompt])
+    assert heads == []  # one row: nothing to share
+    parts = [list(prompt) for _ in range(6)]
+    for _ in range(4):
+        parts = [p + tokens(rng, 1) for p in parts]
+        check(backend, reference, parts)
+        parts = [list(rng.choice(parts)) for _ in parts]
+    assert heads and set(heads) == {len(prompt)}
+    # several new tokens beside one: padded rows (a mask) over the same head
+    before = len(heads)
+    check(backend, reference, [parts[0] + tokens(rng, 1), parts[1] + tokens(rng, 5)])
+    assert len(heads) > before
+    items = [(parts[2], tokens(rng, 3)), (parts[3], tokens(rng, 1)), (prompt, tokens(rng, 4))]
+    got = backend.score_many(items, None)
+    want = reference.score_many(items, None)
+    for g, w in zip(got, want, strict=True):
+        assert isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    # a short shared prompt is gathered as before
+    before = len(heads)
+    short = tokens(rng, HEAD_MIN_TOKENS // 2)
+    check(backend, reference, [short])
+    check(backend, reference, [short + tokens(rng, 1) for _ in range(4)])
+    assert len(heads) == before

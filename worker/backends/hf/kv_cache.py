@@ -15,6 +15,7 @@ uncached prefix shared by several rows of a batch is run once first.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from worker.backends.hf import attention
 from worker.backends.hf.kv_buffers import FilledLayer, PassBuffers, runs
 from worker.backends.hf.kv_trie import KVTrie, Node, Row, ancestry, lcp
 
@@ -32,6 +34,9 @@ SHARE_MIN_TOKENS = 16
 PAD_WASTE = 2.0
 """A forward group's padded new tokens stay under ``PAD_WASTE`` x its real ones (plus slack)."""
 PAD_SLACK = 32
+HEAD_MIN_TOKENS = 32
+"""A cached prefix that every row of a pass shares is attended in place (not copied into each
+row's past) when at least this long and the model's attention can (``attention.NAME``)."""
 
 
 class UnsupportedModel(Exception):
@@ -302,6 +307,7 @@ class KVCache(KVTrie):
         right-aligned; where it has fewer new tokens than ``T``, the first are filler)."""
         lay = self.layout
         rows, past, width = len(plans), max(p.cached for p in plans), max(p.new for p in plans)
+        head = self._shared_head(plans)  # positions [0, head) attended in place, not gathered
         # Built for all rows at once (a loop over rows cost ~20 us a row, 1.3 ms of an SMC
         # step of 64 particles): each row's new tokens left-aligned, then padding.
         cached = torch.tensor([p.cached for p in plans])
@@ -310,7 +316,7 @@ class KVCache(KVTrie):
         fresh = steps < news[:, None]
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         ids[fresh] = torch.tensor([t for p in plans for t in p.row[p.cached :]])
-        span = torch.arange(past + width)
+        span = torch.arange(head, past + width)
         seen = (span < cached[:, None]) | ((span >= past) & (span < past + news[:, None]))
         mask = seen.long()
         # Padding after a row's tokens repeats its last position (never attended to).
@@ -318,11 +324,12 @@ class KVCache(KVTrie):
         # One buffer per side holds the gathered pasts and receives the new positions in place
         # (a plain DynamicLayer would concatenate, copying every past a second time); the new
         # positions are all written by the forward pass.
-        shape = (lay.layers, rows, lay.kv_heads, past + width)
+        shape = (lay.layers, rows, lay.kv_heads, past - head + width)
         buf_k, buf_v = self.buffers.take(shape, lay.key_dim, lay.value_dim)
-        self._gather(plans, past, buf_k, buf_v)
+        self._gather(plans, past, buf_k, buf_v, head)
         cache = DynamicCache(config=self.config)
-        cache.layers = [FilledLayer(buf_k[n], buf_v[n], past) for n in range(lay.layers)]
+        cache.layers = [FilledLayer(buf_k[n], buf_v[n], past - head) for n in range(lay.layers)]
+        prefix = attention.shared_prefix(*self._head_views(plans[0], head)) if head else None
         tail = max(p.tail for p in plans)
         # the positions whose logits are wanted, per row (clamped at 0: filler)
         wanted = [[max(p.new - tail + t, 0) for t in range(tail)] for p in plans]
@@ -330,7 +337,7 @@ class KVCache(KVTrie):
         same = all(p.new == width for p in plans)  # then the last ``tail`` columns, as they are
         keep: int | torch.Tensor = tail if same else torch.tensor(kept)
         column = {pos: j for j, pos in enumerate(kept)} if isinstance(keep, torch.Tensor) else None
-        with torch.inference_mode():
+        with torch.inference_mode(), prefix or contextlib.nullcontext():
             out = self.model(
                 input_ids=ids.to(lay.device),
                 attention_mask=mask.to(lay.device),
@@ -344,7 +351,7 @@ class KVCache(KVTrie):
         ):
             raise RuntimeError("the model did not store its key/values in the cache it was given")
         for i, p in enumerate(plans):
-            new = slice(past, past + p.new)
+            new = slice(past - head, past - head + p.new)
             self._insert(root, p.row, p.cached, buf_k[:, i, :, new], buf_v[:, i, :, new])
         self.forward_passes += 1
         self.tokens_computed += sum(p.new for p in plans)
@@ -354,12 +361,36 @@ class KVCache(KVTrie):
         picked = torch.tensor([[column[j] for j in w] for w in wanted], device=logits.device)
         return cast(torch.Tensor, logits[torch.arange(rows, device=logits.device)[:, None], picked])
 
+    def _shared_head(self, plans: list[_Plan]) -> int:
+        """How many first positions every row takes from the same cached piece, when the
+        model's attention can attend to them in place (``attention.shared_prefix``: CPU
+        models) and there are at least ``HEAD_MIN_TOKENS``; else 0."""
+        if len(plans) < 2 or getattr(self.config, "_attn_implementation", None) != attention.NAME:
+            return 0
+        firsts = [p.pieces[0] if p.pieces else None for p in plans]
+        first = firsts[0]
+        if first is None or any(f is None or f[0] is not first[0] for f in firsts):
+            return 0
+        head = min(f[2] for f in firsts if f is not None)
+        return head if head >= HEAD_MIN_TOKENS else 0
+
+    def _head_views(self, plan: _Plan, head: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's ``[kv_heads, head, dim]`` keys and values of the shared head (views)."""
+        keys, values, _ = plan.pieces[0]
+        return [k[:, :head] for k in keys], [v[:, :head] for v in values]
+
     def _gather(
-        self, plans: list[_Plan], past: int, buf_k: torch.Tensor, buf_v: torch.Tensor
+        self,
+        plans: list[_Plan],
+        past: int,
+        buf_k: torch.Tensor,
+        buf_v: torch.Tensor,
+        head: int = 0,
     ) -> None:
-        """Copy each plan's cached pieces into row ``i`` of the buffers, positions
-        ``[0, cached)``, and zero ``[cached, past)``: one copy per distinct piece and offset,
-        for all the rows that use it (the shared prompt of N particles is one copy, not N)."""
+        """Copy each plan's cached pieces, but their first ``head`` positions (attended in
+        place), into row ``i`` of the buffers, positions ``[0, cached - head)``, and zero
+        ``[cached - head, past - head)``: one copy per distinct piece and offset, for all the
+        rows that use it (the shared prompt of N particles is one copy, not N)."""
         uses: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         short: dict[int, list[int]] = {}
         for i, p in enumerate(plans):
@@ -377,15 +408,19 @@ class KVCache(KVTrie):
         # them): one broadcast copy per run. An index tensor instead (index_put) took 42% of
         # the worker's time at SmolLM2-135M's shape on the CPU (docs/performance.md).
         for (_, at, take), (keys, values, index) in uses.items():
+            skip = max(head - at, 0)  # the part of the piece inside the shared head
+            if skip >= take:
+                continue
+            to = slice(at + skip - head, at + take - head)
             for lo, hi in runs(index):
-                buf_k[:, lo:hi, :, at : at + take] = keys[:, None, :, :take]
-                buf_v[:, lo:hi, :, at : at + take] = values[:, None, :, :take]
+                buf_k[:, lo:hi, :, to] = keys[:, None, :, skip:take]
+                buf_v[:, lo:hi, :, to] = values[:, None, :, skip:take]
         # Padding in the past is zeroed: masked slots get weight 0, and 0 * NaN would poison
         # the row.
         for at, index in short.items():
             for lo, hi in runs(index):
-                buf_k[:, lo:hi, :, at:past] = 0
-                buf_v[:, lo:hi, :, at:past] = 0
+                buf_k[:, lo:hi, :, at - head : past - head] = 0
+                buf_v[:, lo:hi, :, at - head : past - head] = 0
 
 
 def _groups(plans: list[_Plan]) -> list[list[_Plan]]:
