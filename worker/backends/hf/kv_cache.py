@@ -367,11 +367,12 @@ class KVCache(KVTrie):
         models) and there are at least ``HEAD_MIN_TOKENS``; else 0."""
         if len(plans) < 2 or getattr(self.config, "_attn_implementation", None) != attention.NAME:
             return 0
-        firsts = [p.pieces[0] if p.pieces else None for p in plans]
-        first = firsts[0]
-        if first is None or any(f is None or f[0] is not first[0] for f in firsts):
+        if not all(p.pieces for p in plans):
             return 0
-        head = min(f[2] for f in firsts if f is not None)
+        keys = plans[0].pieces[0][0]
+        if any(p.pieces[0][0] is not keys for p in plans):
+            return 0
+        head = min(p.pieces[0][2] for p in plans)
         return head if head >= HEAD_MIN_TOKENS else 0
 
     def _head_views(self, plan: _Plan, head: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
