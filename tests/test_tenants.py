@@ -172,6 +172,7 @@ async def test_a_tenant_does_not_queue_behind_another_tenants_flood(
     there: first come, first served would answer them after all of A's."""
     workers(any_redis_url, backend="mock", mock_vocab_size=V, max_batch=16, mock_delay_ms=8)
     a, b = await connect(any_redis_url, "a"), await connect(any_redis_url, "b")
+    flooding: asyncio.Task[None] | None = None
     try:
         await b.next_token_logprobs([7])  # B's streams known to the worker before the flood
         a_done: list[float] = []
@@ -189,6 +190,9 @@ async def test_a_tenant_does_not_queue_behind_another_tenants_flood(
         a_left = 1500 - len(a_done)
         await flooding
     finally:
+        if flooding is not None and not flooding.done():
+            # B failed first: A's flood (in its own thread's loop) ends before A is closed
+            await asyncio.wait_for(flooding, 60)
         await a.close()
         await b.close()
     assert a_left > 500, f"B's requests ({waits} s) were answered after most of A's"
