@@ -25,7 +25,7 @@ DELAY_MS = 20.0
 
 
 class Harness:
-    def __init__(self, max_batch: int = 4) -> None:
+    def __init__(self, max_batch: int = 4, wire_dtype: str = "float32") -> None:
         self.backend = MockBackend(VOCAB, delay_ms=DELAY_MS)
         self.spans: list[tuple[float, float]] = []
         """(start, end) of each of the model's batches (monotonic seconds)."""
@@ -46,7 +46,7 @@ class Harness:
 
         self.compute = Compute(
             self.backend,
-            Settings(max_batch=max_batch),
+            Settings(max_batch=max_batch, wire_dtype=wire_dtype),
             self.finished.extend,
             lambda works, seconds: None,
             lambda: time.time() * 1000,
@@ -115,7 +115,7 @@ async def test_an_adapter_load_finds_a_gap_in_a_flood() -> None:
     h.check_answers()
 
 
-async def test_a_failed_step_loses_nothing_handed_over_meanwhile() -> None:
+async def test_a_failed_step_loses_nothing_added_meanwhile() -> None:
     h = Harness()
     real_step = h.backend.step
     calls = 0
@@ -132,7 +132,7 @@ async def test_a_failed_step_loses_nothing_handed_over_meanwhile() -> None:
     runner = asyncio.create_task(h.run())
     h.compute.add(h.jobs(8))  # two batches: the second one's step fails
     await h.until(lambda: calls == 2)
-    h.compute.add(h.jobs(4))  # handed over while the failing step runs
+    h.compute.add(h.jobs(4))  # added while the failing step runs
     await h.until(lambda: len(h.finished) == 12)
     h.done = True
     h.compute.have.set()
@@ -140,5 +140,26 @@ async def test_a_failed_step_loses_nothing_handed_over_meanwhile() -> None:
     h.check_answers()
     failed = [j for j in h.finished if j.error is not None]
     assert failed and all("the device fell over" in str(j.error) for j in failed)
-    # the jobs handed over during the failed step were computed after it
+    # the jobs added during the failed step were computed after it
     assert all(j.error is None for j in h.finished if int(j.digest, 16) > 8)
+
+
+async def test_rows_go_in_the_wire_dtype_and_scores_as_they_are() -> None:
+    """``LMPOOL_WIRE_DTYPE=float16``: a next-token row is sent in half precision (widened back
+    on decoding); a score's values keep their own dtype."""
+    h = Harness(wire_dtype="float16")
+    row, score = Job(f"{1:064x}", 0, []), Job(f"{2:064x}", 0, [])
+    row.work = Work("logprobs", [1, 2, 3], tag=row)
+    score.work = Work("score", [1, 2], params={"cont": [3, 4]}, tag=score)
+    h.made = 2
+    runner = asyncio.create_task(h.run())
+    h.compute.add([row, score])
+    await h.until(lambda: len(h.finished) == 2)
+    h.done = True
+    h.compute.have.set()
+    await runner
+    assert row.result is not None and score.result is not None
+    want = h.backend._row([1, 2, 3], None)
+    assert torch.equal(decode_result(row.result), want.half().float())
+    assert len(row.result) < VOCAB * 4  # two bytes an element, not four
+    assert torch.equal(decode_result(score.result), h.backend.score([1, 2], [3, 4], None))

@@ -291,7 +291,6 @@ class Compute:
             )
             job.fail(work.error)
         elif encoded is not None:
-            job.result = encoded
+            job.result = encoded  # a row, in the wire dtype (``_step``)
         elif work.result is not None:
-            dtype = self.wire_dtype if work.kind == "logprobs" else None
-            job.result = encode_result(work.result, dtype)  # cast on the device, then copied
+            job.result = encode_result(work.result)  # samples, scores: as they are
