@@ -193,8 +193,8 @@ class PoolClient:
                 await state.end(reason)
             elif state.loop.is_running():
                 fut = asyncio.run_coroutine_threadsafe(state.end(reason), state.loop)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.wrap_future(fut), 10)
+                # waited for, never raised: that loop may end meanwhile and cancel the ending
+                await asyncio.wait([asyncio.wrap_future(fut)], timeout=10)
         for sync in syncs:
             await asyncio.to_thread(sync.close)
 

@@ -4,6 +4,7 @@ test run on a single server and on a Redis Cluster (3 masters, 3 replicas)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -365,6 +366,43 @@ def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) ->
     with pytest.raises(InvalidRequest):
         lm.next_token_logprobs_sync([V + 1])
     asyncio.run(lm.close())
+
+
+@pytest.mark.asyncio
+async def test_close_from_another_loop_fails_that_loops_flood_at_once(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A thread's own loop has 1,000 requests out (~0.5 s of work) when this loop closes the
+    object: close returns at once, every request still out fails with "closed", the thread's
+    ``asyncio.run`` ends (its loop may end while the close is still ending its state there)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, max_batch=16, mock_delay_ms=8)
+    lm = await RemoteLM.connect(redis_url, model=MODEL, cache_size=0)
+    await lm.next_token_logprobs([7])
+    outcomes: list[str] = []
+
+    async def flood() -> None:
+        async def one(i: int) -> None:
+            try:
+                ids = [1 + i % 250, 1 + i // 250, 9]
+                assert torch.equal(await lm.next_token_logprobs(ids), reference(ids))
+                outcomes.append("answered")
+            except Exception as e:
+                outcomes.append(str(e))
+
+        await asyncio.gather(*(one(i) for i in range(1000)))
+
+    thread = threading.Thread(target=asyncio.run, args=(flood(),))
+    thread.start()
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    await lm.close()
+    closed_s = time.monotonic() - started
+    await asyncio.to_thread(thread.join, 10)
+    assert not thread.is_alive(), "the thread's loop still waits on a closed RemoteLM"
+    assert closed_s < 1.0, f"close took {closed_s:.2f} s"
+    failed = [o for o in outcomes if o != "answered"]
+    assert len(outcomes) == 1000 and failed, f"{len(failed)} of {len(outcomes)} failed"
+    assert set(failed) == {"this RemoteLM is closed"}, set(failed)
 
 
 def test_backend_auto_selection() -> None:
