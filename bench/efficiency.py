@@ -114,6 +114,22 @@ def bare_smc(model: Any, args: argparse.Namespace, seed: int) -> tuple[int, floa
     return rows_out, time.perf_counter() - started
 
 
+def forward_floor(model: Any, args: argparse.Namespace, repeats: int = 5) -> float:
+    """Seconds of the least an SMC step's forward can cost at this model and thread count: the
+    particles' new tokens through the layers and the LM head with no past to attend (median of
+    ``repeats``). No engine's step, bare or pooled, gets below it."""
+    tokens = torch.tensor(prompt_ids(args.seed + 11, args.particles), device=args.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first warms up
+            sync(args.device)
+            started = time.perf_counter()
+            model(input_ids=tokens[:, None], use_cache=False, logits_to_keep=1)
+            sync(args.device)
+            times.append(time.perf_counter() - started)
+    return sorted(times[1:])[repeats // 2]
+
+
 def genlm_sets(args: argparse.Namespace) -> list[tuple[list[int], list[list[int]]]]:
     """One untimed set, then ``--sets`` timed ones: (prefix, prompts), a new prefix each."""
     rng = random.Random(args.seed + 99)
@@ -293,6 +309,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         )
         model = load_model(path, args.device, args.dtype)
         bare_smc(model, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)  # warm-up
+        floor_s = forward_floor(model, args)
         bare: dict[str, tuple[int, float]] = {}
         with benchkit.cache_redis(args, report, 4 * VOCAB) as (server, args.cache_settings):
             # bare and pool alternate, so that a slow spell of the machine hits both
@@ -341,6 +358,11 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         report.line(
             "   Redis commands' own time per step (last round): "
             + ", ".join(f"{n} {1000 * t / args.steps:.2f} ms" for n, t in top)
+        )
+        report.line(
+            f"   floor: {args.particles} new tokens through the model, no past, "
+            f"{1000 * floor_s:.1f} ms a step = {args.particles / floor_s:.0f} rows/s at most for "
+            f"any engine; pool / floor {pl * floor_s / args.particles:.2f}x"
         )
         if offs:
             off = rate(total(offs, "smc"))

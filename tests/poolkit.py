@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import random
 import signal
 import subprocess
@@ -57,6 +58,30 @@ def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0, -1]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def redis_connections(port: int) -> int:
+    """Established TCP connections of this process to ``port`` on the loopback (Linux)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if remote_port == port and fields[3] == "01" and fields[9] in inodes:
+                count += 1
+    return count
 
 
 def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0, **config: Any) -> Path:

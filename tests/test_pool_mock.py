@@ -4,13 +4,17 @@ test run on a single server and on a Redis Cluster (3 masters, 3 replicas)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
+from urllib.parse import urlparse
 
 import pytest
 import torch
+from poolkit import redis_connections
 
 from producer import RemoteLM
 from producer.submit import LISTEN_BLOCK_S
@@ -368,14 +372,21 @@ def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) ->
     asyncio.run(lm.close())
 
 
+@pytest.mark.parametrize("how", ["close", "cleanup"])
 @pytest.mark.asyncio
 async def test_close_from_another_loop_fails_that_loops_flood_at_once(
-    redis_url: str, workers: Callable[..., Any]
+    redis_url: str, workers: Callable[..., Any], how: str
 ) -> None:
     """A thread's own loop has 1,000 requests out (~0.5 s of work) when this loop closes the
-    object: close returns at once, every request still out fails with "closed", the thread's
-    ``asyncio.run`` ends (its loop may end while the close is still ending its state there)."""
+    object (``close``; or ``cleanup`` from a thread with no loop): it returns at once, every
+    request still out fails with "closed", the thread's ``asyncio.run`` ends, and nothing is
+    left behind: no socket open, no reply list in Redis (that loop may end while the close is
+    still ending its state there)."""
     workers(redis_url, backend="mock", mock_vocab_size=V, max_batch=16, mock_delay_ms=8)
+    port = urlparse(redis_url).port or 6379
+    r = connect_redis_sync(redis_url)
+    r.ping()
+    sockets_before = redis_connections(port)  # r's own among them
     lm = await RemoteLM.connect(redis_url, model=MODEL, cache_size=0)
     await lm.next_token_logprobs([7])
     outcomes: list[str] = []
@@ -395,7 +406,10 @@ async def test_close_from_another_loop_fails_that_loops_flood_at_once(
     thread.start()
     await asyncio.sleep(0.3)
     started = time.monotonic()
-    await lm.close()
+    if how == "close":
+        await lm.close()
+    else:
+        await asyncio.to_thread(lm.cleanup)
     closed_s = time.monotonic() - started
     await asyncio.to_thread(thread.join, 10)
     assert not thread.is_alive(), "the thread's loop still waits on a closed RemoteLM"
@@ -403,6 +417,16 @@ async def test_close_from_another_loop_fails_that_loops_flood_at_once(
     failed = [o for o in outcomes if o != "answered"]
     assert len(outcomes) == 1000 and failed, f"{len(failed)} of {len(outcomes)} failed"
     assert set(failed) == {"this RemoteLM is closed"}, set(failed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()  # an unclosed transport warns as it is collected
+    assert not [w for w in caught if w.category is ResourceWarning], [str(w) for w in caught]
+    assert redis_connections(port) == sockets_before, "sockets left open"
+    # a SUBMIT sent before the close may add a reply list to a waiter set after it left them
+    # all; a worker's answer then makes the list anew, with its expiry: nothing stays for good
+    left = {key: r.pttl(key) for key in r.scan_iter(Keys().reply("*"))}
+    assert all(ttl > 0 for ttl in left.values()), f"reply lists left without expiry: {left}"
+    r.close()
 
 
 def test_backend_auto_selection() -> None:

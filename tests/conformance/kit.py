@@ -99,32 +99,6 @@ def no_coroutine_left(value: Any) -> None:
         gc.collect()
 
 
-def redis_connections(port: int) -> int:
-    """Established TCP connections of this process to ``port`` on the loopback (Linux)."""
-    import os
-
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    count = 0
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
-            if remote_port == port and fields[3] == "01" and fields[9] in inodes:
-                count += 1
-    return count
-
-
 def merged(model: Any, adapter: Path) -> Any:
     """``model`` with the PEFT LoRA adapter merged in: W + (alpha / r) * B @ A (as in
     tests/test_backend_suite.py)."""

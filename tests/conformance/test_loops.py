@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+from poolkit import redis_connections
 
 from .conftest import TIMEOUT_S, Subjects
 from .kit import (
@@ -28,7 +29,6 @@ from .kit import (
     assert_row,
     assert_rows,
     fresh_prompts,
-    redis_connections,
     skip_reference,
 )
 
