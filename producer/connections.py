@@ -66,14 +66,19 @@ class LoopConnections:
             pipe.execute_command(*command)
         return list(await pipe.execute())
 
-    async def leave(self, waiter_sets: list[str], reply_key: str) -> None:
-        """Take ``reply_key`` out of ``waiter_sets`` and delete it (best effort)."""
-        with contextlib.suppress(Exception):
-            pipe = self.redis.pipeline(transaction=False)
-            for waiters in waiter_sets:
-                pipe.srem(waiters, reply_key)
-            pipe.delete(reply_key)
-            await pipe.execute()
+    async def leave_and_close(self, waiter_sets: list[str], reply_key: str) -> None:
+        """A loop state's last step: take ``reply_key`` out of ``waiter_sets`` and delete it
+        (best effort), then close every connection, also when the first part is cancelled:
+        no socket is left open."""
+        try:
+            with contextlib.suppress(Exception):
+                pipe = self.redis.pipeline(transaction=False)
+                for waiters in waiter_sets:
+                    pipe.srem(waiters, reply_key)
+                pipe.delete(reply_key)
+                await pipe.execute()
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         """Close them all (best effort: Redis may be gone)."""

@@ -430,23 +430,13 @@ class LoopState:
         tasks = [t for t in tasks if t is not current and not t.done()]
         for task in tasks:
             task.cancel()
-        # the steps after a wait run also when this loop ends and cancels the ending meanwhile
-        # (asyncio.run cancels once): no reply list left behind, no socket left open
+        c = self.target
+        waiting = [c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest) for p in pending]
         try:
             if tasks:  # a task blocked inside redis-py may swallow one cancel: do not wait forever
                 await asyncio.wait(tasks, timeout=5)
-        finally:
-            try:
-                await self._leave_all(pending)
-            finally:
-                await self.conns.aclose()
-
-    async def _leave_all(self, pending: list[Pending]) -> None:
-        """Take this loop's reply list out of the waiter sets of ``pending`` and delete it
-        (best effort: Redis may be gone)."""
-        c = self.target
-        waiting = [c.keys.waiters(c.model, p.prepared.shard, p.prepared.digest) for p in pending]
-        await self.conns.leave(waiting, self.reply_key)
+        finally:  # also when this loop ends and cancels the ending meanwhile (asyncio.run)
+            await self.conns.leave_and_close(waiting, self.reply_key)
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> bool:
