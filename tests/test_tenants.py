@@ -184,10 +184,10 @@ async def test_a_tenant_does_not_queue_behind_another_tenants_flood(
             a_connected.set()
             await flood(a, prompts(1, n), a_done)
 
+    await b.next_token_logprobs([7])  # B's streams known to the worker before the flood
     flooding = asyncio.create_task(asyncio.to_thread(asyncio.run, tenant_a()))
     waits = []
     try:
-        await b.next_token_logprobs([7])  # B's streams known to the worker before the flood
         assert await asyncio.to_thread(a_connected.wait, 30), "tenant A did not connect"
         await asyncio.sleep(0.05)
         for p in prompts(2, 8):
