@@ -380,8 +380,8 @@ async def test_close_from_another_loop_fails_that_loops_flood_at_once(
     """A thread's own loop has 1,000 requests out (~0.5 s of work) when this loop closes the
     object (``close``; or ``cleanup`` from a thread with no loop): it returns at once, every
     request still out fails with "closed", the thread's ``asyncio.run`` ends, and nothing is
-    left behind: no socket open, no reply list in Redis (that loop may end while the close is
-    still ending its state there)."""
+    left behind for good: no socket open, no reply list without an expiry (that loop may end
+    while the close is still ending its state there)."""
     workers(redis_url, backend="mock", mock_vocab_size=V, max_batch=16, mock_delay_ms=8)
     port = urlparse(redis_url).port or 6379
     r = connect_redis_sync(redis_url)
