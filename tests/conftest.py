@@ -60,6 +60,20 @@ def any_redis_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def listen_block_s(monkeypatch: pytest.MonkeyPatch) -> float:
+    """The producer's reply pop made to block 5 s instead of 1 s, for a test that asserts a pop
+    ended at once: then a pop that waited for a reply takes seconds, far from a scheduling pause
+    of the test process (one of 0.54 s was seen on a busy 2-core machine)."""
+    import producer.connections
+    import producer.loop
+    import producer.submit
+
+    for module in (producer.submit, producer.loop, producer.connections):
+        monkeypatch.setattr(module, "LISTEN_BLOCK_S", 5.0)
+    return 5.0
+
+
+@pytest.fixture
 def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """Factory of worker processes, each stopped at teardown. On a cluster, arq's queue goes
     to the private single server (``LMPOOL_ARQ_REDIS_URL``), as it must."""

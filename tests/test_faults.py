@@ -20,7 +20,6 @@ from poolkit import kill, mock_row, producer_in_flight, wait_until
 
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
-from producer.submit import LISTEN_BLOCK_S
 from shared import protocol
 from shared.errors import DeadLettered, InvalidRequest, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
@@ -228,7 +227,7 @@ async def test_a_full_queue_rejects_new_requests_clearly(
 
 @pytest.mark.asyncio
 async def test_a_lone_request_to_a_full_queue_fails_at_once(
-    redis_url: str, workers: Callable[..., Any]
+    redis_url: str, workers: Callable[..., Any], listen_block_s: float
 ) -> None:
     """A request alone in its producer goes out with the pop of its reply in one pipeline; a
     full queue's refusal must end that pop at once (SUBMIT pushes a marker), not after it
@@ -251,7 +250,7 @@ async def test_a_lone_request_to_a_full_queue_fails_at_once(
             await lone.next_token_logprobs([99, 3])
         with pytest.raises(QueueFull, match="LMPOOL_MAX_QUEUE=2"):
             lone.next_token_logprobs_sync([98, 3])
-        assert time.monotonic() - started < LISTEN_BLOCK_S / 2, "a refusal waited for a reply"
+        assert time.monotonic() - started < listen_block_s / 2, "a refusal waited for a reply"
         outcomes = await filling
     r.close()
     answered = {i: o for i, o in enumerate(outcomes) if isinstance(o, torch.Tensor)}

@@ -17,7 +17,6 @@ import torch
 from poolkit import redis_connections
 
 from producer import RemoteLM
-from producer.submit import LISTEN_BLOCK_S
 from shared.errors import InvalidRequest, NoWorker, RequestTimeout
 from shared.keys import Keys
 from shared.redis_conn import connect_redis_sync
@@ -329,7 +328,7 @@ async def test_one_request_at_a_time_costs_the_worker_one_read_each(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
 async def test_a_lone_request_gets_its_result_in_the_round_trip_that_submits_it(
-    redis_url: str, workers: Callable[..., Any], blocking: bool
+    redis_url: str, workers: Callable[..., Any], listen_block_s: float, blocking: bool
 ) -> None:
     """One request in flight: SUBMIT (as EVAL), the pop of its reply and the GET of its result
     leave in one pipeline, so the result (8 KB here, too large to ride inside the reply) comes
@@ -358,7 +357,7 @@ async def test_a_lone_request_gets_its_result_in_the_round_trip_that_submits_it(
     r.close()
     calls = {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "blmpop")}
     assert calls == {"eval": n + 1, "blmpop": n + 1}
-    assert hit_s < LISTEN_BLOCK_S / 2, "the pop of a cache hit waited for a reply"
+    assert hit_s < listen_block_s / 2, "the pop of a cache hit waited for a reply"
 
 
 def test_sync_use_without_an_event_loop(any_redis_url: str, mock_worker: Any) -> None:
