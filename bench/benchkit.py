@@ -234,6 +234,13 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_faults(pid: int | None = None) -> int:
+    """Minor page faults process ``pid`` (default: this one) has taken so far: fresh pages
+    touched, which a heap that keeps its freed memory avoids (``shared.heap``)."""
+    fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
+
+
 def redis_cpu_s(url: str) -> float:
     """CPU seconds the Redis server at ``url`` has used so far (its main thread and others)."""
     import redis

@@ -39,6 +39,7 @@ import benchkit
 import random_model
 import redis
 import torch
+from heap import keep_freed_memory
 
 from shared.keys import Keys
 
@@ -261,6 +262,7 @@ async def profiled(
     pid = worker.proc.pid
     with redis.Redis.from_url(url) as r:
         r.config_resetstat()
+    faults = (benchkit.process_faults(), benchkit.process_faults(pid))
     before = (time.process_time(), benchkit.process_cpu_s(pid), benchkit.redis_cpu_s(url))
     if args.profile:
         out = Path(tempfile.mkdtemp(prefix="lmpool-efficiency-")) / "worker.pyspy.txt"
@@ -274,6 +276,9 @@ async def profiled(
     with redis.Redis.from_url(url) as r:
         stats = benchkit.commandstats(r)
     args.commandstats.append({name: usec / 1e6 for name, (_, usec) in stats.items()})
+    args.faults.append(
+        (benchkit.process_faults() - faults[0], benchkit.process_faults(pid) - faults[1])
+    )
     return result, {n: b - a for n, a, b in zip(names, before, after, strict=True)}
 
 
@@ -292,6 +297,12 @@ def rate(rows_seconds: tuple[int, float]) -> float:
 
 async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     torch.set_num_threads(args.threads)
+    # the bare side at its fastest (bench/heap.py); the pool's producer shares this process
+    kept = args.heap == "kept" and keep_freed_memory()
+    report.line(
+        f"# C heap of this process: freed memory {'kept for reuse' if kept else 'given back'} "
+        f"(--heap {args.heap}); the worker's: glibc's defaults"
+    )
     with tempfile.TemporaryDirectory(prefix="lmpool-efficiency-") as tmp:
         if args.model in ("tiny", "tiny-hd32"):
             path = random_model.build(
@@ -317,7 +328,9 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             offs: list[dict[str, Any]] = []
             for _ in range(args.rounds):
                 if "smc" in args.shapes:
+                    faults = benchkit.process_faults()
                     r, s = bare_smc(model, args, args.seed)
+                    args.bare_faults += benchkit.process_faults() - faults
                     prev = bare.get("smc", (0, 0.0))
                     bare["smc"] = (prev[0] + r, prev[1] + s)
                 if "genlm" in args.shapes:
@@ -353,6 +366,11 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             f"   per step, wall {1000 * total(pools, 'smc')[1] / steps:.1f} ms (bare "
             f"{1000 * bare['smc'][1] / steps:.1f}); CPU: "
             + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items())
+        )
+        per_step = [sum(f[i] for f in args.faults) / steps for i in (0, 1)]
+        report.line(
+            f"   minor page faults per step: producer {per_step[0]:.0f}, worker {per_step[1]:.0f} "
+            f"(bare {args.bare_faults / steps:.0f})"
         )
         top = sorted(args.commandstats[-1].items(), key=lambda kv: -kv[1])[:6]
         report.line(
@@ -405,6 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the pool's LMPOOL_WIRE_DTYPE",
     )
     parser.add_argument(
+        "--heap",
+        choices=("kept", "default"),
+        default="kept",
+        help="this process' C heap: freed memory kept (bench/heap.py; the bare side runs "
+        "faster so) or glibc's defaults",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"
     )
     benchkit.cache_args(parser)
@@ -412,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.profiles = []
     args.commandstats = []
+    args.faults = []
+    args.bare_faults = 0
     return benchkit.run_reported(run, args)
 
 
