@@ -347,14 +347,22 @@ async def mock_pool(
 
 
 async def connect_remote_lm(
-    worker: Worker, redis_url: str, model: str, timeout_s: float, request_timeout_s: float
+    worker: Worker,
+    redis_url: str,
+    model: str,
+    timeout_s: float,
+    request_timeout_s: float,
+    **more: Any,
 ) -> Any:
-    """``RemoteLM`` of ``model`` once ``worker`` serves it; fails early if the worker dies."""
+    """``RemoteLM`` of ``model`` once ``worker`` serves it (``more``: other settings); fails
+    early if the worker dies."""
     from producer import RemoteLM
     from shared.errors import NoWorker
     from shared.settings import Settings
 
-    settings = Settings(redis_url=redis_url, timeout_s=request_timeout_s, connect_timeout_s=2.0)
+    settings = Settings(
+        redis_url=redis_url, timeout_s=request_timeout_s, connect_timeout_s=2.0, **more
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         if not worker.alive():

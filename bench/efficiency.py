@@ -39,8 +39,8 @@ import benchkit
 import random_model
 import redis
 import torch
-from heap import keep_freed_memory
 
+from shared.heap import keep_freed_memory
 from shared.keys import Keys
 
 KEYS = Keys()
@@ -234,11 +234,12 @@ async def pool_side(
     ).start()
     out: dict[str, Any] = {}
     try:
-        lm = await benchkit.connect_remote_lm(worker, url, "efficiency", 600, 3600)
+        more = {} if args.heap == "kept" else {"keep_freed_memory": False}
+        lm = await benchkit.connect_remote_lm(worker, url, "efficiency", 600, 3600, **more)
         try:
             await pool_smc(lm, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)
             if "smc" in args.shapes:
-                out["smc"], out["cpu"] = await profiled(
+                out["smc"], out["cpu"], out["faults"] = await profiled(
                     worker, url, args, pool_smc(lm, args, args.seed)
                 )
             if "genlm" in args.shapes:
@@ -254,10 +255,11 @@ async def pool_side(
 
 async def profiled(
     worker: benchkit.Worker, url: str, args: argparse.Namespace, run: Any
-) -> tuple[Any, dict[str, float]]:
-    """``await run`` and the CPU seconds that the producer (this process), the worker and
-    Redis used meanwhile; with ``--profile``, the worker sampled by py-spy too (printed after
-    the run: where its busy time went, by frame, own and inclusive)."""
+) -> tuple[Any, dict[str, float], tuple[int, int]]:
+    """``await run``, the CPU seconds that the producer (this process), the worker and Redis
+    used meanwhile, and the page faults of the first two; with ``--profile``, the worker
+    sampled by py-spy too (printed after the run: where its busy time went, by frame, own and
+    inclusive)."""
     assert worker.proc is not None
     pid = worker.proc.pid
     with redis.Redis.from_url(url) as r:
@@ -276,10 +278,12 @@ async def profiled(
     with redis.Redis.from_url(url) as r:
         stats = benchkit.commandstats(r)
     args.commandstats.append({name: usec / 1e6 for name, (_, usec) in stats.items()})
-    args.faults.append(
-        (benchkit.process_faults() - faults[0], benchkit.process_faults(pid) - faults[1])
+    cpu = {n: b - a for n, a, b in zip(names, before, after, strict=True)}
+    return (
+        result,
+        cpu,
+        (benchkit.process_faults() - faults[0], benchkit.process_faults(pid) - faults[1]),
     )
-    return result, {n: b - a for n, a, b in zip(names, before, after, strict=True)}
 
 
 def print_profile(path: Path, report: benchkit.Report, top: int = 30) -> None:
@@ -297,11 +301,13 @@ def rate(rows_seconds: tuple[int, float]) -> float:
 
 async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     torch.set_num_threads(args.threads)
-    # the bare side at its fastest (bench/heap.py); the pool's producer shares this process
+    # as RemoteLM.connect does by default (shared.heap), before the bare side's first round
+    # too: the bare loop runs faster so
     kept = args.heap == "kept" and keep_freed_memory()
     report.line(
-        f"# C heap of this process: freed memory {'kept for reuse' if kept else 'given back'} "
-        f"(--heap {args.heap}); the worker's: glibc's defaults"
+        f"# C heap of this process (bare side and producer): freed memory "
+        f"{'kept for reuse' if kept else 'given back'} (--heap {args.heap}); the worker's: "
+        "glibc's defaults"
     )
     with tempfile.TemporaryDirectory(prefix="lmpool-efficiency-") as tmp:
         if args.model in ("tiny", "tiny-hd32"):
@@ -367,7 +373,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             f"{1000 * bare['smc'][1] / steps:.1f}); CPU: "
             + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items())
         )
-        per_step = [sum(f[i] for f in args.faults) / steps for i in (0, 1)]
+        per_step = [sum(p["faults"][i] for p in pools) / steps for i in (0, 1)]
         report.line(
             f"   minor page faults per step: producer {per_step[0]:.0f}, worker {per_step[1]:.0f} "
             f"(bare {args.bare_faults / steps:.0f})"
@@ -426,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         "--heap",
         choices=("kept", "default"),
         default="kept",
-        help="this process' C heap: freed memory kept (bench/heap.py; the bare side runs "
-        "faster so) or glibc's defaults",
+        help="this process' C heap: freed memory kept (shared.heap; RemoteLM's default) or "
+        "glibc's defaults (LMPOOL_KEEP_FREED_MEMORY=0)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"
@@ -437,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.profiles = []
     args.commandstats = []
-    args.faults = []
     args.bare_faults = 0
     return benchkit.run_reported(run, args)
 

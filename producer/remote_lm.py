@@ -34,6 +34,7 @@ from producer.routing import shard_of
 from producer.tokenization.vocab import Vocabularies
 from shared import protocol
 from shared.errors import InvalidRequest
+from shared.heap import keep_freed_memory
 from shared.keys import request_digest
 from shared.registry import ModelMeta
 from shared.settings import Settings
@@ -154,6 +155,8 @@ class RemoteLM(AdapterMethods):
             affinity_tokens=meta["affinity_tokens"],
             result_ttl_s=meta["result_ttl_s"],
         )
+        if settings.keep_freed_memory:
+            keep_freed_memory()  # rows arrive in fresh buffers every step (shared.heap)
         client = PoolClient(settings, name, priority, clock_offset_ms)
         return cls(client, meta, settings.timeout_s, cache_size)
 

@@ -1,14 +1,19 @@
-"""The bench process' C heap at its fastest: freed memory kept for the next step.
+"""The C heap of a producer's process: freed memory kept for the next step.
 
-The bare SMC loop (``bench/efficiency.py``) makes large short-lived buffers at every step (the
-rows, the logits, a ``DynamicCache`` one position longer). glibc's malloc serves blocks above
-its mmap threshold (128 KB at first) with fresh mappings and gives freed memory at the top of
-the heap back to the kernel, so a step touches new pages again: one page fault per 4 KB. Kept,
-the bare side took 200-450 page faults a step instead of 1,300-2,400 and ran 5-38% faster
-(tiny model, 2026-11-26; docs/performance.md). The anchor is the fastest bare loop there is,
-so the bench keeps freed memory in its own process (the pool's producer shares it: its page
-faults were 0-150 a step either way). The worker keeps glibc's defaults: there the policy
-moved neither its faults (about 2,200-2,800 a step) nor its throughput beyond the noise.
+An SMC step hands the caller 64 rows of 196 KB (SmolLM2's vocabulary in float32), each
+received into a buffer of its own, and the caller's own work on them (a draw, a stack) makes
+more of the same size; a few milliseconds later all of it is freed. glibc's malloc serves blocks
+above its mmap threshold (128 KB at first) with fresh mappings and gives freed memory at the
+top of the heap back to the kernel, so the next step touches new pages again: one page fault
+per 4 KB, 1,000-2,500 a step in the producer of ``bench/efficiency.py``. With freed memory kept
+the same producer took 40-140 and the pool ran 6-17% faster; the bare loop in that process
+(the bench's anchor) 20-28% faster (docs/performance.md).
+
+:func:`keep_freed_memory` sets glibc's options so that blocks up to ``MMAP_THRESHOLD`` come
+from the heap and up to ``TRIM_THRESHOLD`` of freed memory stays with the process: its resident
+memory then stays near its peak instead of shrinking between steps. ``RemoteLM`` calls it when
+it connects, unless ``LMPOOL_KEEP_FREED_MEMORY=0``. Workers keep glibc's defaults: there it
+moved neither their page faults nor their throughput beyond the noise.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import ctypes.util
 import logging
 import sys
 
-log = logging.getLogger("lmpool.bench")
+log = logging.getLogger("lmpool")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3

@@ -1,0 +1,103 @@
+"""The C heap of a producer's process (``shared.heap``, ``LMPOOL_KEEP_FREED_MEMORY``): a step's
+rows reuse memory the process already touched, unless turned off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+STEP_FAULTS = """
+import resource
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def step():  # a step's 64 rows of SmolLM2's vocabulary, received and dropped
+    rows = [bytearray(196_620) for _ in range(64)]
+    del rows
+
+def faults_per_step():
+    for _ in range(10):
+        step()
+    before = faults()
+    for _ in range(50):
+        step()
+    return (faults() - before) / 50
+"""
+"""A step's 64 rows of 196 KB touch 48 pages each: 3,072 page faults a step where they are
+fresh pages (glibc's defaults), none where freed memory is reused."""
+
+
+def run(script: str) -> str:
+    """What ``script`` prints, run in a process of its own after ``STEP_FAULTS``."""
+    code = textwrap.dedent(STEP_FAULTS) + textwrap.dedent(script)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def glibc() -> bool:
+    return run("from shared.heap import keep_freed_memory; print(keep_freed_memory())") == "True"
+
+
+needs_glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not glibc(), reason="the policy is glibc's mallopt"
+)
+
+
+@needs_glibc
+def test_a_steps_rows_take_fresh_pages_unless_freed_memory_is_kept() -> None:
+    default = float(run("print(faults_per_step())"))
+    kept = float(
+        run(
+            """
+            from shared.heap import keep_freed_memory
+            assert keep_freed_memory() and keep_freed_memory()  # once, then the same answer
+            print(faults_per_step())
+            """
+        )
+    )
+    assert default > 2000, f"glibc's defaults reused the rows' memory ({default} faults a step)"
+    assert kept < 50, f"{kept} page faults a step with freed memory kept"
+
+
+@needs_glibc
+@pytest.mark.parametrize("keep", [True, False], ids=["default", "off"])
+@pytest.mark.parametrize("how", ["connect", "from_name"])
+def test_a_producer_keeps_freed_memory_unless_told_not_to(
+    redis_url: str, workers: Callable[..., Any], keep: bool, how: str
+) -> None:
+    """``RemoteLM.connect`` and ``from_name`` set the policy in the caller's process (its rows
+    arrive in fresh buffers every step); ``LMPOOL_KEEP_FREED_MEMORY=0`` leaves glibc's."""
+    workers(redis_url, backend="mock", mock_vocab_size=64)
+    env = "" if keep else "os.environ['LMPOOL_KEEP_FREED_MEMORY'] = '0'"
+    out = run(
+        f"""
+        import asyncio, os
+        {env}
+        from producer import RemoteLM
+
+        async def main():
+            if {how!r} == "connect":
+                lm = await RemoteLM.connect({redis_url!r}, "mock-64")
+            else:
+                lm = await asyncio.to_thread(RemoteLM.from_name, "mock-64", {redis_url!r})
+            async with lm:
+                assert (await lm.next_token_logprobs([1, 2])).shape == (64,)
+            print(faults_per_step())
+
+        asyncio.run(main())
+        """
+    )
+    faults = float(out)
+    assert (faults < 50) if keep else (faults > 2000), f"{faults} page faults a step"
