@@ -32,6 +32,7 @@ import redis
 import torch
 
 from localpool.redis_server import RedisServer
+from shared.heap import keep_freed_memory
 from shared.keys import Keys
 from shared.settings import Settings
 
@@ -171,6 +172,10 @@ async def genlm_case(url: str, args: argparse.Namespace) -> tuple[list[float], l
 
 
 async def main_async(args: argparse.Namespace, report: benchkit.Report) -> None:
+    # as RemoteLM.connect sets it (shared.heap), from the start: genlm-backend in this process
+    # runs at its fastest so
+    kept = keep_freed_memory()
+    report.line(f"# C heap of this process: freed memory {'kept' if kept else 'given back'}")
     with RedisServer() as server:
         url = server.url
         report.line(
