@@ -5,7 +5,7 @@ received into a buffer of its own, and the caller's own work on them (a draw, a 
 more of the same size; a few milliseconds later all of it is freed. glibc's malloc serves blocks
 above its mmap threshold (128 KB at first) with fresh mappings and gives freed memory at the
 top of the heap back to the kernel, so the next step touches new pages again: one page fault
-per 4 KB, 1,000-2,500 a step in the producer of ``bench/efficiency.py``. With freed memory kept
+per 4 KB, 950-2,500 a step in the producer of ``bench/efficiency.py``. With freed memory kept
 the same producer took 40-140 and the pool ran 6-17% faster; the bare loop in that process
 (the bench's anchor) 20-28% faster (docs/performance.md).
 
