@@ -324,11 +324,17 @@ def genlm_transformer(
 
 
 async def mock_pool(
-    url: str, vocab: int, name: str, extra_env: dict[str, str] | None = None, **settings: Any
+    url: str,
+    vocab: int,
+    name: str,
+    extra_env: dict[str, str] | None = None,
+    producer: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> tuple[Worker, Any]:
     """A mock worker of ``vocab`` serving ``name`` as the overhead benchmarks run it (one torch
     thread, ``OMP_NUM_THREADS=1``, warnings only; ``settings`` add to that), started, and a
-    ``RemoteLM`` connected to it. The worker is stopped if the connect fails."""
+    ``RemoteLM`` connected to it (``producer``: its own settings). The worker is stopped if the
+    connect fails."""
     worker = Worker(
         url,
         extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})},
@@ -340,7 +346,7 @@ async def mock_pool(
         **settings,
     ).start()
     try:
-        return worker, await connect_remote_lm(worker, url, name, 120, 60)
+        return worker, await connect_remote_lm(worker, url, name, 120, 60, **(producer or {}))
     except BaseException:
         worker.stop()
         raise

@@ -29,17 +29,10 @@ VOCAB = 49_152
 
 
 async def side(url: str, keep: bool, requests: int) -> list[float]:
-    worker = benchkit.Worker(
-        url,
-        extra_env={"OMP_NUM_THREADS": "1"},
-        backend="mock",
-        mock_vocab_size=VOCAB,
-        torch_threads=1,
-    ).start()
+    worker, lm = await benchkit.mock_pool(
+        url, VOCAB, f"mock-{VOCAB}", producer={"keep_freed_memory": keep}
+    )
     try:
-        lm = await benchkit.connect_remote_lm(
-            worker, url, f"mock-{VOCAB}", 120, 60, keep_freed_memory=keep
-        )
         async with lm:
             for i in range(300):  # warm-up
                 await lm.next_token_logprobs([7, i, 1])
