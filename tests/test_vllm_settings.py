@@ -223,3 +223,15 @@ def test_a_lora_rank_beyond_vllm_fails_before_the_engine(model_dir: Path, tmp_pa
     big = adapter(tmp_path / "big", r=1024)
     with pytest.raises(SettingsError, match="LMPOOL_LORA: LoRA rank 1024"):
         VLLMBackend(Settings(backend="vllm", model=str(model_dir), lora=f"big={big}"))
+
+
+def test_the_engine_core_is_spawned_on_cuda_unless_the_operator_chose() -> None:
+    """A forked engine core dies once the parent touched CUDA (seen on an H100)."""
+    from worker.backends.vllm.engine import spawn_engine_core
+
+    env: dict[str, str] = {}
+    assert spawn_engine_core(env) is True
+    assert env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    chosen = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    assert spawn_engine_core(chosen) is False
+    assert chosen == {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}

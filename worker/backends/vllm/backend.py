@@ -44,6 +44,7 @@ from worker.backends.vllm.lora import adapter_config, check_lora_targets
 from worker.backends.vllm.rows import RowCounter, RowFetcher
 from worker.backends.vllm.works import (
     KINDS,
+    check_token_range,
     client_error,
     output_result,
     prompt_ids,
@@ -225,13 +226,14 @@ class VLLMBackend(Backend):
             raise InvalidRequest(f"unknown request kind {work.kind!r}")
         if not work.ids:
             raise InvalidRequest("empty prompt: at least one token id is needed")
+        ids = prompt_ids(work)
+        check_token_range(ids, self.info["vocab_size"])
         lora_request = self._lora_request(work.lora)
         rid = f"{self._prefix}{next(self._ids)}"
         params = sampling_params(work, rid, self._capture.CAPTURE_KEY, self.prefix_caching)
         if params is None:  # answered without the engine
             self._ready.append(work)
             return
-        ids = prompt_ids(work)
         self.engine.add_request(
             rid,
             {"prompt_token_ids": ids},

@@ -40,6 +40,22 @@ def import_vllm() -> Any:
     return vllm
 
 
+def spawn_engine_core(environ: Any) -> bool:
+    """Make vLLM spawn its engine core on CUDA, unless the operator chose a method
+    (``VLLM_WORKER_MULTIPROC_METHOD``); True when this set it.
+
+    vLLM forks by default, and switches to spawn only when ``torch.cuda.is_initialized()``.
+    A process that touched the driver otherwise (``torch.cuda.is_available()`` does, by
+    torch's own documentation) forks an engine core that dies with "CUDA error:
+    initialization error": seen on an H100 when a second engine started in a process whose
+    transformers reference had run (``bench/results/gpu-tests-h100-vllm.txt``).
+    """
+    if environ.get("VLLM_WORKER_MULTIPROC_METHOD"):
+        return False
+    environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return True
+
+
 def start_engine(
     settings: Settings, path: Path, adapters: dict[str, str], capture: Any
 ) -> tuple[Any, dict[str, Any], str]:
@@ -57,6 +73,8 @@ def start_engine(
     config = model_config(path)
     device_type = str(current_platform.device_type)
     cuda = device_type == "cuda"
+    if cuda and spawn_engine_core(os.environ):
+        log.info("vLLM's engine core starts by spawn (VLLM_WORKER_MULTIPROC_METHOD=spawn)")
     devices = torch.cuda.device_count() if cuda else len(os.sched_getaffinity(0))
     kwargs = engine_kwargs(
         settings,
