@@ -163,3 +163,43 @@ async def test_rows_go_in_the_wire_dtype_and_scores_as_they_are() -> None:
     assert torch.equal(decode_result(row.result), want.half().float())
     assert len(row.result) < VOCAB * 4  # two bytes an element, not four
     assert torch.equal(decode_result(score.result), h.backend.score([1, 2], [3, 4], None))
+
+
+async def test_answered_jobs_and_their_rows_are_freed_without_the_cycle_collector() -> None:
+    """A job and its work referred to each other, and a row is a view of its step's whole
+    ``[batch, V]`` tensor: every answered job waited, with its step's rows, for Python's rarest
+    collection (a worker serving SMC runs grew 1.4 GB in 2 minutes). With the collector off,
+    answered jobs, their works and their steps' row tensors go as soon as nobody holds them."""
+    import gc
+    import weakref
+
+    h = Harness()
+    rows: list[weakref.ref[torch.Tensor]] = []
+    logprobs = h.backend.logprobs
+
+    def tracked(prompts: list[list[int]], lora: str | None) -> torch.Tensor:
+        out = logprobs(prompts, lora)
+        rows.append(weakref.ref(out))
+        return out
+
+    h.backend.logprobs = tracked  # type: ignore[method-assign]
+    gc.collect()
+    gc.disable()
+    try:
+        runner = asyncio.create_task(h.run())
+        for _ in range(3):
+            h.compute.add(h.jobs(4))
+            await h.until(lambda: h.compute.outstanding == 0)
+        h.done = True
+        h.compute.have.set()
+        await runner
+        h.check_answers()
+        jobs = [weakref.ref(j) for j in h.finished]
+        works = [weakref.ref(j.work) for j in h.finished if j.work is not None]
+        h.finished.clear()
+        assert len(rows) == 3 and len(jobs) == 12 and len(works) == 12
+        assert all(r() is None for r in rows), "a step's rows outlived its encoding"
+        assert all(j() is None for j in jobs), "answered jobs wait for the cycle collector"
+        assert all(w() is None for w in works)
+    finally:
+        gc.enable()
