@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     benchkit.output_args(parser)
-    args = parser.parse_args(argv)
-    return benchkit.run_reported(run, args)
+    return benchkit.run_reported(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
