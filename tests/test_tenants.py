@@ -220,9 +220,12 @@ async def test_saturating_tenants_share_the_batches_by_weight(
 ) -> None:
     """Weights 1 and 3, both with far more queued than a batch: while both have work, the
     worker answers three of B's requests for each of A's (within 10%), and nothing is lost.
-    (Read from the worker's heartbeats, by a thread: this loop is busy with 1,300 requests.)"""
+    (Read from the worker's heartbeats, by a thread: this loop is busy with 2,100 requests.)
+    Batches take 12 ms, so that this process has queued both floods before the worker is far
+    into them: with 4 ms a batch the worker once outran B's submissions (B served 2.6x A's in
+    the window, B's requests arriving slower than its weight would take them)."""
     workers(
-        redis_url, backend="mock", mock_vocab_size=V, max_batch=16, mock_delay_ms=4,
+        redis_url, backend="mock", mock_vocab_size=V, max_batch=16, mock_delay_ms=12,
         tenant_weights='{"b": 3}', heartbeat_s=0.05,
     )  # fmt: skip
     a, b = await connect(redis_url, "a"), await connect(redis_url, "b")
