@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared.errors import InvalidRequest, UnknownAdapter
@@ -62,6 +63,23 @@ def describe_model(
         tokenizer_config=tokenizer_config(tokenizer),
         adapters=sorted(adapters),
     )
+
+
+def check_ids(ids: np.ndarray | Sequence[int], vocab_size: int) -> None:
+    """Raise ``InvalidRequest`` unless every id is in ``[0, vocab_size)`` (vectorized): the
+    worker's edge (``worker.stream.batcher``), and a backend whose engine checks less (vLLM
+    0.26 checks only the largest id, so a negative one reached the model on an H100,
+    ``bench/results/gpu-tests-h100-vllm.txt``)."""
+    try:
+        ids = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        raise InvalidRequest("token id out of range") from None
+    if ids.size == 0:
+        raise InvalidRequest("empty prompt: at least one token id is needed")
+    outside = (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        bad = int(ids[int(np.argmax(outside))])
+        raise InvalidRequest(f"token id {bad} is not an integer in [0, {vocab_size})")
 
 
 @dataclass(eq=False)

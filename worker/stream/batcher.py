@@ -33,7 +33,7 @@ from shared.protocol import Request
 from shared.redis_conn import AnyRedis
 from shared.registry import is_runtime_adapter
 from shared.settings import Settings
-from worker.backends.base import Backend, Work
+from worker.backends.base import Backend, Work, check_ids
 from worker.stream.reader import Entry
 
 TRIAGE_AFTER_MS = 50
@@ -206,16 +206,6 @@ def _int_array(values: list[Any]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
     except OverflowError:
         raise InvalidRequest("token id out of range") from None
-
-
-def check_ids(ids: np.ndarray, vocab_size: int) -> None:
-    """Raise ``InvalidRequest`` unless every id is in ``[0, vocab_size)`` (vectorized)."""
-    if ids.size == 0:
-        raise InvalidRequest("empty prompt: at least one token id is needed")
-    outside = (ids < 0) | (ids >= vocab_size)
-    if outside.any():
-        bad = int(ids[int(np.argmax(outside))])
-        raise InvalidRequest(f"token id {bad} is not an integer in [0, {vocab_size})")
 
 
 def check_sample_params(params: dict[str, Any], vocab_size: int) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError, UnknownAdapter
 from shared.settings import Settings
-from worker.backends.base import Backend, EngineDead, Work, describe_model
+from worker.backends.base import Backend, EngineDead, Work, check_ids, describe_model
 from worker.backends.model_files import eos_token_ids, model_dir
 from worker.backends.vllm.engine import (
     EngineWatch,
@@ -44,7 +44,6 @@ from worker.backends.vllm.lora import adapter_config, check_lora_targets
 from worker.backends.vllm.rows import RowCounter, RowFetcher
 from worker.backends.vllm.works import (
     KINDS,
-    check_token_range,
     client_error,
     output_result,
     prompt_ids,
@@ -227,7 +226,7 @@ class VLLMBackend(Backend):
         if not work.ids:
             raise InvalidRequest("empty prompt: at least one token id is needed")
         ids = prompt_ids(work)
-        check_token_range(ids, self.info["vocab_size"])
+        check_ids(ids, self.info["vocab_size"])
         lora_request = self._lora_request(work.lora)
         rid = f"{self._prefix}{next(self._ids)}"
         params = sampling_params(work, rid, self._capture.CAPTURE_KEY, self.prefix_caching)

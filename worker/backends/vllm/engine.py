@@ -14,7 +14,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def import_vllm() -> Any:
     return vllm
 
 
-def spawn_engine_core(environ: Any) -> bool:
+def spawn_engine_core(environ: MutableMapping[str, str]) -> bool:
     """Make vLLM spawn its engine core on CUDA, unless the operator chose a method
     (``VLLM_WORKER_MULTIPROC_METHOD``); True when this set it.
 

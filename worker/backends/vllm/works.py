@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import InvalidRequest, LMPoolError
+from shared.errors import LMPoolError
 from worker.backends.base import Work
 
 KINDS = ("logprobs", "sample", "score", "cache_kv")
@@ -79,17 +79,6 @@ def sampling_params(work: Work, tag: str, capture_key: str, prefix_caching: bool
 def prompt_ids(work: Work) -> list[int]:
     """The token ids vLLM runs for ``work`` (a score's continuation is part of its prompt)."""
     return work.ids + list(work.params["cont"]) if work.kind == "score" else work.ids
-
-
-def check_token_range(ids: list[int], vocab_size: int) -> None:
-    """Refuse ids outside ``[0, vocab_size)`` before vLLM sees them: vLLM 0.26 checks only
-    the largest id, so a negative one reached the model's embedding on an H100
-    (``bench/results/gpu-tests-h100-vllm.txt``)."""
-    low, high = min(ids), max(ids)
-    if low < 0 or high >= vocab_size:
-        raise InvalidRequest(
-            f"token id {low if low < 0 else high} is not an integer in [0, {vocab_size})"
-        )
 
 
 def output_result(work: Work, output: Any, prefix_caching: bool) -> torch.Tensor | None:
