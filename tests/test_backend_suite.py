@@ -6,7 +6,9 @@ Per-backend tolerances (float32, max abs diff of log-probs), as measured on this
 - hf-cuda (hf on a CUDA device, float32; gpu-marked): reference 1e-4, batched 1e-4, LoRA 1e-4
 - vllm-cuda (a CUDA build of vLLM, float32): hf-cuda's bounds, not yet measured there; vLLM's
   ``auto`` dtype turns a float32 checkpoint into bfloat16 on CUDA (4e-2 off, seen on an H100),
-  so every backend here runs with ``dtype="float32"``
+  so every backend here runs with ``dtype="float32"``. vLLM's LoRA kernels on CUDA take float16
+  or bfloat16 only: there the engine has no adapter and the LoRA test is skipped
+  (tests/test_vllm_backend.py checks vLLM's LoRA on CUDA in float16)
 vLLM runs only where it is installed (``make test-vllm`` runs this file in .venv-vllm).
 """
 
@@ -26,7 +28,7 @@ from shared.settings import Settings
 
 TOLERANCE = {"hf": 1e-5, "vllm": 1e-5, "hf-cuda": 1e-4, "vllm-cuda": 1e-4}
 BATCH_TOLERANCE = {"hf": 1e-5, "vllm": 1e-5, "hf-cuda": 1e-4, "vllm-cuda": 1e-4}
-LORA_TOLERANCE = {"hf": 1e-5, "vllm": 2e-5, "hf-cuda": 1e-4, "vllm-cuda": 1e-4}
+LORA_TOLERANCE = {"hf": 1e-5, "vllm": 2e-5, "hf-cuda": 1e-4}
 BACKENDS = [
     "hf",
     pytest.param("hf-cuda", marks=pytest.mark.gpu),
@@ -69,7 +71,7 @@ def backend(kind: str, files: tuple[Path, Path]) -> Iterator[Any]:
         Settings(
             backend=name,
             model=str(model),
-            lora=f"a={lora}",
+            lora="" if kind == "vllm-cuda" else f"a={lora}",
             kv_cache_mb=0,
             device=device or "auto",
             dtype="float32",
@@ -150,6 +152,8 @@ def test_seeded_sampling_is_reproducible(backend: Any) -> None:
 def test_lora_matches_the_merged_reference(
     kind: str, backend: Any, reference: Any, files: tuple[Path, Path]
 ) -> None:
+    if kind == "vllm-cuda":
+        pytest.skip("vLLM's LoRA kernels on CUDA take float16 or bfloat16, the suite float32")
     with_lora = merged(reference, files[1])
     rows = backend.logprobs(PROMPTS[:2], "a").float().cpu()
     for row, ids in zip(rows, PROMPTS[:2], strict=True):

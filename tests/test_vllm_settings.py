@@ -235,3 +235,29 @@ def test_the_engine_core_is_spawned_on_cuda_unless_the_operator_chose() -> None:
     chosen = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     assert spawn_engine_core(chosen) is False
     assert chosen == {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+
+
+def test_float32_is_exact_on_cuda_unless_the_operator_chose() -> None:
+    """vLLM's Triton attention rounds float32 to TF32 by default (1.8e-3 off, on an H100)."""
+    from worker.backends.vllm.engine import exact_float32
+
+    env: dict[str, str] = {}
+    assert exact_float32(env) is True
+    assert env == {"TRITON_F32_DEFAULT": "ieee"}
+    chosen = {"TRITON_F32_DEFAULT": "tf32"}
+    assert exact_float32(chosen) is False
+    assert chosen == {"TRITON_F32_DEFAULT": "tf32"}
+
+
+def test_lora_in_float32_on_cuda_is_refused_before_the_engine(tmp_path: Path) -> None:
+    """vLLM's LoRA kernels on CUDA assert float16 or bfloat16 (its engine core died at the
+    first LoRA forward on an H100); on the CPU float32 LoRA is vLLM's own path."""
+    adapters = {"a": str(adapter(tmp_path / "a"))}
+    with pytest.raises(SettingsError, match=r"LMPOOL_DTYPE=float32 with LoRA.*float16, bfloat16"):
+        kwargs("cuda", adapters, dtype="float32")
+    with pytest.raises(SettingsError, match="LMPOOL_DTYPE=float32"):
+        kwargs("cuda", engine_options='{"enable_lora": true, "dtype": "float32"}')
+    assert kwargs("cuda", adapters, dtype="float16")["enable_lora"] is True
+    assert kwargs("cuda", adapters)["dtype"] == "auto"
+    assert kwargs("cpu", adapters, dtype="float32")["dtype"] == "float32"
+    assert ea.is_float32("torch.float32") and not ea.is_float32("bfloat16")

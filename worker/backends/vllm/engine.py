@@ -23,7 +23,12 @@ import torch
 from shared.errors import SettingsError
 from shared.settings import Settings
 from worker.backends.base import EngineDead
-from worker.backends.vllm.engine_args import engine_kwargs, model_config, settings_error
+from worker.backends.vllm.engine_args import (
+    engine_kwargs,
+    is_float32,
+    model_config,
+    settings_error,
+)
 
 log = logging.getLogger("lmpool.worker")
 
@@ -56,6 +61,22 @@ def spawn_engine_core(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
+def exact_float32(environ: MutableMapping[str, str]) -> bool:
+    """Make Triton's float32 matrix products exact (``TRITON_F32_DEFAULT=ieee``) unless the
+    operator chose a precision; True when this set it.
+
+    vLLM's float32 attention on CUDA is its Triton kernel (TRITON_ATTN), whose ``tl.dot`` on
+    float32 rounds its inputs to TF32 by default, while torch's own matmuls stay exact
+    (``VLLM_FLOAT32_MATMUL_PRECISION=highest``, vLLM's default). An H100 pool worker's float32
+    rows came back 1.8e-3 off the float32 reference, the size of TF32's rounding
+    (``bench/results/gpu-tests-h100-vllm.txt``). An operator who asks for float32 gets float32.
+    """
+    if environ.get("TRITON_F32_DEFAULT"):
+        return False
+    environ["TRITON_F32_DEFAULT"] = "ieee"
+    return True
+
+
 def start_engine(
     settings: Settings, path: Path, adapters: dict[str, str], capture: Any
 ) -> tuple[Any, dict[str, Any], str]:
@@ -84,6 +105,8 @@ def start_engine(
         devices=devices,
         quantizations=QUANTIZATION_METHODS,
     )
+    if cuda and is_float32(kwargs["dtype"]) and exact_float32(os.environ):
+        log.info("float32 on CUDA: Triton's float32 products exact (TRITON_F32_DEFAULT=ieee)")
     if kwargs.get("worker_extension_cls") not in (None, capture.EXTENSION):
         raise SettingsError(
             "LMPOOL_ENGINE_OPTIONS: worker_extension_cls is taken by the vllm backend's "

@@ -296,7 +296,19 @@ def engine_kwargs(
     if adapters or options.get("enable_lora"):
         kwargs["lora_target_modules"] = list(LORA_LINEAR_MODULES)
     kwargs.update(options)
+    if device_type == "cuda" and kwargs.get("enable_lora") and is_float32(kwargs["dtype"]):
+        # vLLM's LoRA kernels (Triton, punica) assert float16 or bfloat16 inputs on CUDA: the
+        # engine core would die at its first LoRA forward (seen on an H100).
+        raise SettingsError(
+            "LMPOOL_DTYPE=float32 with LoRA adapters (LMPOOL_LORA) on CUDA: vLLM's LoRA kernels "
+            "take float16 or bfloat16 there; set LMPOOL_DTYPE=float16, bfloat16 or auto"
+        )
     return kwargs
+
+
+def is_float32(dtype: Any) -> bool:
+    """``dtype`` (a setting's string or a torch dtype from LMPOOL_ENGINE_OPTIONS) is float32."""
+    return str(dtype).removeprefix("torch.") in ("float32", "float")
 
 
 # -- the engine's own errors -> the setting to change ----------------------------------------
