@@ -54,7 +54,7 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_adapter(tmp_path_factory.mktemp("vllm-lora"))
 
 
-def start(model_dir: Path, lora: str, dtype: str) -> Any:
+def start(model_dir: Path, lora: str, dtype: str, eager: str = "auto") -> Any:
     from worker.backends import load_backend
 
     return load_backend(
@@ -65,6 +65,7 @@ def start(model_dir: Path, lora: str, dtype: str) -> Any:
             kv_cache_mb=256,
             gpu_memory_utilization=GPU_SHARE,
             dtype=dtype,  # vLLM's auto is bfloat16 on CUDA for this float32 checkpoint
+            enforce_eager=eager,
         )
     )
 
@@ -80,11 +81,12 @@ def backend(model_dir: Path, adapter_dir: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def lora_backend(backend: Any, model_dir: Path, adapter_dir: Path) -> Iterator[Any]:
-    """The engine with adapter ``a``: the module's on the CPU, a float16 one on CUDA."""
+    """The engine with adapter ``a``: the module's on the CPU, a float16 one on CUDA (eager:
+    its CUDA graphs and compilation would add a minute to the start, for no check here)."""
     if not CUDA:
         yield backend
         return
-    b = start(model_dir, f"a={adapter_dir}", "float16")
+    b = start(model_dir, f"a={adapter_dir}", "float16", eager="true")
     yield b
     b.close()
 
