@@ -225,28 +225,29 @@ def test_a_lora_rank_beyond_vllm_fails_before_the_engine(model_dir: Path, tmp_pa
         VLLMBackend(Settings(backend="vllm", model=str(model_dir), lora=f"big={big}"))
 
 
-def test_the_engine_core_is_spawned_on_cuda_unless_the_operator_chose() -> None:
-    """A forked engine core dies once the parent touched CUDA (seen on an H100)."""
-    from worker.backends.vllm.engine import spawn_engine_core
+@pytest.mark.parametrize(
+    ("which", "name", "value"),
+    [
+        ("SPAWN_ENGINE_CORE", "VLLM_WORKER_MULTIPROC_METHOD", "spawn"),
+        ("EXACT_FLOAT32", "TRITON_F32_DEFAULT", "ieee"),
+    ],
+)
+def test_engine_environment_on_cuda_unless_the_operator_chose(
+    which: str, name: str, value: str
+) -> None:
+    """A forked engine core dies once the parent touched CUDA, and vLLM's Triton attention
+    rounds float32 to TF32 by default (both seen on an H100): on CUDA the backend sets
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` and, for float32, ``TRITON_F32_DEFAULT=ieee``,
+    each unless the operator set it."""
+    from worker.backends.vllm import engine
 
+    setting = getattr(engine, which)
     env: dict[str, str] = {}
-    assert spawn_engine_core(env) is True
-    assert env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    chosen = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-    assert spawn_engine_core(chosen) is False
-    assert chosen == {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-
-
-def test_float32_is_exact_on_cuda_unless_the_operator_chose() -> None:
-    """vLLM's Triton attention rounds float32 to TF32 by default (1.8e-3 off, on an H100)."""
-    from worker.backends.vllm.engine import exact_float32
-
-    env: dict[str, str] = {}
-    assert exact_float32(env) is True
-    assert env == {"TRITON_F32_DEFAULT": "ieee"}
-    chosen = {"TRITON_F32_DEFAULT": "tf32"}
-    assert exact_float32(chosen) is False
-    assert chosen == {"TRITON_F32_DEFAULT": "tf32"}
+    assert engine.unless_chosen(env, setting) is True
+    assert env == {name: value}
+    chosen = {name: "operator's"}
+    assert engine.unless_chosen(chosen, setting) is False
+    assert chosen == {name: "operator's"}
 
 
 def test_lora_in_float32_on_cuda_is_refused_before_the_engine(tmp_path: Path) -> None:

@@ -45,35 +45,29 @@ def import_vllm() -> Any:
     return vllm
 
 
-def spawn_engine_core(environ: MutableMapping[str, str]) -> bool:
-    """Make vLLM spawn its engine core on CUDA, unless the operator chose a method
-    (``VLLM_WORKER_MULTIPROC_METHOD``); True when this set it.
+SPAWN_ENGINE_CORE = ("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+"""On CUDA: vLLM forks its engine core by default, and switches to spawn only when
+``torch.cuda.is_initialized()``. A process that touched the driver otherwise
+(``torch.cuda.is_available()`` does, by torch's own documentation) forks an engine core that
+dies with "CUDA error: initialization error": seen on an H100 when a second engine started in
+a process whose transformers reference had run (``bench/results/gpu-tests-h100-vllm.txt``)."""
 
-    vLLM forks by default, and switches to spawn only when ``torch.cuda.is_initialized()``.
-    A process that touched the driver otherwise (``torch.cuda.is_available()`` does, by
-    torch's own documentation) forks an engine core that dies with "CUDA error:
-    initialization error": seen on an H100 when a second engine started in a process whose
-    transformers reference had run (``bench/results/gpu-tests-h100-vllm.txt``).
-    """
-    if environ.get("VLLM_WORKER_MULTIPROC_METHOD"):
+EXACT_FLOAT32 = ("TRITON_F32_DEFAULT", "ieee")
+"""On CUDA in float32: vLLM's float32 attention there is its Triton kernel (TRITON_ATTN), whose
+``tl.dot`` on float32 rounds its inputs to TF32 by default, while torch's own matmuls stay exact
+(``VLLM_FLOAT32_MATMUL_PRECISION=highest``, vLLM's default). An H100 pool worker's float32 rows
+came back 1.8e-3 off the float32 reference, the size of TF32's rounding
+(``bench/results/gpu-tests-h100-vllm.txt``). An operator who asks for float32 gets float32."""
+
+
+def unless_chosen(environ: MutableMapping[str, str], setting: tuple[str, str]) -> bool:
+    """Set ``setting`` (``(name, value)``: ``SPAWN_ENGINE_CORE``, ``EXACT_FLOAT32``) in
+    ``environ``, which vLLM's engine core inherits, unless the operator set that variable;
+    True when this set it."""
+    name, value = setting
+    if environ.get(name):
         return False
-    environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    return True
-
-
-def exact_float32(environ: MutableMapping[str, str]) -> bool:
-    """Make Triton's float32 matrix products exact (``TRITON_F32_DEFAULT=ieee``) unless the
-    operator chose a precision; True when this set it.
-
-    vLLM's float32 attention on CUDA is its Triton kernel (TRITON_ATTN), whose ``tl.dot`` on
-    float32 rounds its inputs to TF32 by default, while torch's own matmuls stay exact
-    (``VLLM_FLOAT32_MATMUL_PRECISION=highest``, vLLM's default). An H100 pool worker's float32
-    rows came back 1.8e-3 off the float32 reference, the size of TF32's rounding
-    (``bench/results/gpu-tests-h100-vllm.txt``). An operator who asks for float32 gets float32.
-    """
-    if environ.get("TRITON_F32_DEFAULT"):
-        return False
-    environ["TRITON_F32_DEFAULT"] = "ieee"
+    environ[name] = value
     return True
 
 
@@ -94,7 +88,7 @@ def start_engine(
     config = model_config(path)
     device_type = str(current_platform.device_type)
     cuda = device_type == "cuda"
-    if cuda and spawn_engine_core(os.environ):
+    if cuda and unless_chosen(os.environ, SPAWN_ENGINE_CORE):
         log.info("vLLM's engine core starts by spawn (VLLM_WORKER_MULTIPROC_METHOD=spawn)")
     devices = torch.cuda.device_count() if cuda else len(os.sched_getaffinity(0))
     kwargs = engine_kwargs(
@@ -105,7 +99,7 @@ def start_engine(
         devices=devices,
         quantizations=QUANTIZATION_METHODS,
     )
-    if cuda and is_float32(kwargs["dtype"]) and exact_float32(os.environ):
+    if cuda and is_float32(kwargs["dtype"]) and unless_chosen(os.environ, EXACT_FLOAT32):
         log.info("float32 on CUDA: Triton's float32 products exact (TRITON_F32_DEFAULT=ieee)")
     if kwargs.get("worker_extension_cls") not in (None, capture.EXTENSION):
         raise SettingsError(
