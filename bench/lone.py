@@ -31,9 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 WORKLOADS = ("cold", "extend")
 
 
@@ -50,24 +50,30 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     lm = await RemoteLM.connect(
         args.url, model="lone", cache_size=0, connect_timeout_s=args.start_timeout_s
     )
-    out: dict[str, list[float]] = {}
-    try:
+
+    async def timed(prompts: Iterator[list[int]]) -> list[float]:
+        """ms of each request after the first ``--warmup``."""
         times: list[float] = []
         for i in range(args.warmup + args.samples):
-            prompt = tokens(args.tokens)
+            prompt = next(prompts)
             t0 = time.perf_counter()
             await lm.next_token_logprobs(prompt)
             if i >= args.warmup:
                 times.append((time.perf_counter() - t0) * 1000)
-        out["cold"] = times
-        times, prompt = [], tokens(args.tokens)
-        for i in range(args.warmup + args.samples):
+        return times
+
+    def cold() -> Iterator[list[int]]:
+        while True:
+            yield tokens(args.tokens)
+
+    def extend() -> Iterator[list[int]]:
+        prompt = tokens(args.tokens)
+        while True:
             prompt = [*prompt, rng.randrange(3, vocab)]
-            t0 = time.perf_counter()
-            await lm.next_token_logprobs(prompt)
-            if i >= args.warmup:
-                times.append((time.perf_counter() - t0) * 1000)
-        out["extend"] = times
+            yield prompt
+
+    try:
+        out = {"cold": await timed(cold()), "extend": await timed(extend())}
     finally:
         await lm.close()
     return out
