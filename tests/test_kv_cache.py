@@ -1,5 +1,5 @@
 """worker.backends.hf.kv_cache through HFBackend on a tiny random Llama: exact results, reuse,
-bytes, pins.
+bytes, pins, the slot arena's cap and its work per step.
 
 Every cached result is compared with the no-cache path (``kv_cache_mb=0``) at 1e-4 (float32).
 """
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from poolkit import build_tiny_llama, smc_batches
+from torch.overrides import TorchFunctionMode
 from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
@@ -336,3 +337,73 @@ def test_a_prefix_every_row_shares_is_attended_in_place(
     check(backend, reference, [short])
     check(backend, reference, [short + tokens(rng, 1) for _ in range(4)])
     assert len(heads) == before
+
+
+class _CountOps(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called while active, allocations aside
+    (the pass's scratch buffer is allocated again when a pass is the largest yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += func is not torch.empty
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_costs_the_same_tensor_operations_for_8_particles_as_for_64(
+    model_dir: Path,
+) -> None:
+    """The cache's work per SMC step does not grow with the particles: the pasts are read, and
+    the new positions written, in a fixed number of tensor operations for all rows (one arena
+    read and one write a side), so a step of 64 particles calls exactly as many torch
+    operations as a step of 8, the model's included."""
+    counts = {}
+    for n in (8, 64):
+        backend = make_backend(model_dir, 8)
+        rng = random.Random(13)
+        prompt = tokens(rng, HEAD_MIN_TOKENS + 8)
+        backend.logprobs([prompt], None)
+        parts = [prompt + tokens(rng, 1) for _ in range(n)]
+        for _ in range(3):  # each particle's own leaf exists and grows from here on
+            backend.logprobs(parts, None)
+            parts = [p + tokens(rng, 1) for p in parts]
+        with _CountOps() as ops:
+            backend.logprobs(parts, None)
+        counts[n] = ops.calls
+        cache = cache_of(backend)
+        assert (
+            cache.measured_bytes()
+            == cache.bytes_used
+            == stored_tokens(cache) * (cache.layout.token_bytes())
+        )
+    assert counts[8] == counts[64], counts
+
+
+def test_an_arena_at_its_cap_stores_what_fits_and_stays_exact(
+    model_dir: Path, reference: HFBackend
+) -> None:
+    """The arena holds at most the budget and a quarter more; a pass with more new positions
+    than that stores the rows that fit, answers every row exactly, and leaves the cache within
+    its budget with every slot accounted for. ``clear`` gives the memory back."""
+    backend = make_backend(model_dir, 1)
+    cache = cache_of(backend)
+    per_token = cache.layout.token_bytes()
+    cache.set_budget(20 * per_token)
+    assert cache.arena.max_slots == 25
+    rng = random.Random(14)
+    batch = [tokens(rng, 10) for _ in range(4)]  # 40 new positions, room for 25
+    check(backend, reference, batch)
+    assert cache.arena.capacity == 25
+    assert sum(cache.cached_length(p) == len(p) for p in batch) == 2  # the third did not fit
+    assert cache.measured_bytes() == cache.bytes_used == 20 * per_token
+    for _ in range(3):
+        batch = [p + tokens(rng, 2) for p in batch]
+        check(backend, reference, batch)
+        assert cache.bytes_used <= 20 * per_token
+        assert cache.measured_bytes() == cache.bytes_used == stored_tokens(cache) * per_token
+    cache.clear()
+    assert cache.arena.capacity == cache.arena.used_slots == cache.bytes_used == 0
+    check(backend, reference, batch)
+    assert cache.measured_bytes() == cache.bytes_used > 0

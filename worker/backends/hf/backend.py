@@ -16,7 +16,8 @@ from shared.errors import InvalidRequest
 from shared.settings import Settings
 from worker.backends.base import Backend, describe_model, with_greedy
 from worker.backends.hf import attention
-from worker.backends.hf.kv_cache import KVCache, UnsupportedModel
+from worker.backends.hf.kv_cache import KVCache
+from worker.backends.hf.kv_slots import UnsupportedModel
 from worker.backends.model_files import eos_token_ids, model_dir
 
 log = logging.getLogger("lmpool.worker")

@@ -41,17 +41,6 @@ class PassBuffers:
         return keys, flat[n_k : n_k + n_v].view(*shape, value_dim)
 
 
-def runs(index: list[int]) -> list[tuple[int, int]]:
-    """Ascending row numbers as ``[lo, hi)`` runs of consecutive rows."""
-    runs: list[tuple[int, int]] = []
-    for i in index:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
 class FilledLayer(DynamicLayer):
     """A ``DynamicLayer`` over preallocated ``[rows, heads, past + width, dim]`` buffers that
     already hold the pasts: ``update`` writes the new positions in place."""

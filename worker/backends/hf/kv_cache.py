@@ -1,14 +1,17 @@
 """Key/value cache of earlier prompts for the hf backend: compute only the tokens not seen yet.
 
-The key/values live in a token trie (:mod:`.kv_trie`: one radix trie per namespace, shared
-prefixes stored once, LRU eviction in bytes, pins); this module computes what it lacks.
+The key/values live in an arena of token slots (:mod:`.kv_slots`), indexed by a token trie
+(:mod:`.kv_trie`: one radix trie per namespace, shared prefixes stored once, LRU eviction in
+bytes, pins); this module computes what they lack.
 
 Every forward pass stores its new positions automatically. A request reuses the deepest cached
 prefix (a match may end inside a segment) and runs only the rest; a batch mixes rows with
-different cached lengths: pasts are gathered into a zero-padded ``[rows, past + new]`` buffer
-per side (a ``DynamicCache`` whose layers write the new positions into it in place, so pasts
-are copied once, not concatenated again), new tokens are right-padded after the past, and the
-attention mask and position ids (``cached + j``) make each row see exactly its own tokens.
+different cached lengths: pasts are gathered from the arena, one ``index_select`` per side for
+all rows and layers, into a zero-padded ``[rows, past + new]`` buffer per side (a
+``DynamicCache`` whose layers write the new positions into it in place, so pasts are copied
+once, not concatenated again); the new positions go back with one ``index_copy_`` per side.
+New tokens are right-padded after the past, and the attention mask and position ids
+(``cached + j``) make each row see exactly its own tokens.
 Rows are grouped by new length so a cold prompt does not pad the one-token SMC rows, and an
 uncached prefix shared by several rows of a batch is run once first.
 """
@@ -21,12 +24,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from worker.backends.hf import attention
-from worker.backends.hf.kv_buffers import FilledLayer, PassBuffers, runs
+from worker.backends.hf.kv_buffers import FilledLayer, PassBuffers
+from worker.backends.hf.kv_slots import ZERO_SLOT, SlotArena, describe_model
 from worker.backends.hf.kv_trie import KVTrie, Node, Row, ancestry, lcp
 
 SHARE_MIN_TOKENS = 16
@@ -39,31 +43,14 @@ HEAD_MIN_TOKENS = 32
 row's past) when at least this long and the model's attention can (``attention.NAME``)."""
 
 
-class UnsupportedModel(Exception):
-    """The model's cache is not a plain full-attention ``DynamicCache`` of uniform layers."""
-
-
-@dataclass(frozen=True)
-class _Layout:
-    layers: int
-    kv_heads: int
-    key_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def token_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
-
-
 @dataclass
 class _Plan:
     """One unique row of a batch: reuse ``cached`` tokens from ``pieces``, run the rest."""
 
     row: Row
     cached: int
-    pieces: list[tuple[torch.Tensor, torch.Tensor, int]]
+    pieces: list[tuple[Node, int]]
+    """The nodes its cached positions come from, and how many of each node's first tokens."""
     path: list[Node]
     """The trie nodes its match went through (touched as used)."""
     tail: int = 1
@@ -72,44 +59,6 @@ class _Plan:
     @property
     def new(self) -> int:
         return len(self.row) - self.cached
-
-
-def describe_model(model: Any) -> _Layout:
-    """Check that the cache can serve ``model`` and return its key/value layout.
-
-    Raises ``UnsupportedModel`` for sliding-window, chunked, linear-attention or KV-sharing
-    layers, and for layers of different shapes.
-    """
-    cache = DynamicCache(config=model.config)
-    odd = sorted(
-        {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
-    )
-    if odd:
-        raise UnsupportedModel(f"cache layers {odd} are not plain full attention")
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        out = model(
-            input_ids=torch.zeros((1, 2), dtype=torch.long, device=device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    layers = out.past_key_values.layers
-    shapes = {
-        (
-            tuple(layer.keys.shape[:2]),
-            layer.keys.shape[-1],
-            layer.values.shape[-1],
-            layer.keys.shape[-2],
-            layer.keys.dtype,
-        )
-        for layer in layers
-        if getattr(layer, "is_initialized", False)
-    }
-    if len(shapes) != 1 or not all(getattr(layer, "is_initialized", False) for layer in layers):
-        raise UnsupportedModel("layers hold key/values of different shapes")
-    (_, heads), key_dim, value_dim, _, dtype = next(iter(shapes))
-    return _Layout(len(layers), heads, key_dim, value_dim, dtype, layers[0].keys.device)
 
 
 class KVCache(KVTrie):
@@ -135,10 +84,11 @@ class KVCache(KVTrie):
     )
 
     def __init__(self, model: Any, budget_bytes: int, pad_id: int) -> None:
-        super().__init__(budget_bytes)
+        self.layout = describe_model(model)
+        super().__init__(budget_bytes, SlotArena(self.layout))
         self.model = model
         self.config = model.config
-        self.layout = describe_model(model)
+        self._head: tuple[Node, np.ndarray, list[torch.Tensor], list[torch.Tensor]] | None = None
         self.pad_id = int(pad_id)
         self.tokens_requested = 0
         self.tokens_reused = 0
@@ -255,6 +205,8 @@ class KVCache(KVTrie):
         if count:
             self.tokens_reused += sum(p.cached for p in plans)
         groups = _groups(plans)
+        # Eviction waits for the last group: a later group's plans read slots that an eviction
+        # would free for an earlier group's new positions.
         if len(groups) == 1 and groups[0] == plans:  # the usual case: one pass, rows in order
             logits = self._forward(root, plans)
             self._evict()
@@ -264,11 +216,11 @@ class KVCache(KVTrie):
         out: torch.Tensor | None = None
         for group in groups:
             logits = self._forward(root, group)
-            self._evict()
             if out is None:
                 out = logits.new_empty((len(plans), width, logits.shape[-1]))
             index = torch.tensor([position[id(p)] for p in group], device=logits.device)
             out[index, width - logits.shape[1] :] = logits
+        self._evict()
         assert out is not None
         return out
 
@@ -279,9 +231,8 @@ class KVCache(KVTrie):
         for node, k in path:
             if left <= 0:
                 break
-            assert node.keys is not None and node.values is not None
             take = min(k, left)
-            pieces.append((node.keys, node.values, take))
+            pieces.append((node, take))
             left -= take
         return _Plan(row, cached, pieces, [n for n, _ in path], tail)
 
@@ -350,9 +301,7 @@ class KVCache(KVTrie):
             not isinstance(layer, FilledLayer) or not layer.filled for layer in cache.layers
         ):
             raise RuntimeError("the model did not store its key/values in the cache it was given")
-        for i, p in enumerate(plans):
-            new = slice(past - head, past - head + p.new)
-            self._insert(root, p.row, p.cached, buf_k[:, i, :, new], buf_v[:, i, :, new])
+        self._store(root, plans, past - head, buf_k, buf_v)
         self.forward_passes += 1
         self.tokens_computed += sum(p.new for p in plans)
         logits = out.logits
@@ -361,24 +310,55 @@ class KVCache(KVTrie):
         picked = torch.tensor([[column[j] for j in w] for w in wanted], device=logits.device)
         return cast(torch.Tensor, logits[torch.arange(rows, device=logits.device)[:, None], picked])
 
+    def _store(
+        self, root: Node, plans: list[_Plan], at: int, buf_k: torch.Tensor, buf_v: torch.Tensor
+    ) -> None:
+        """Enter the plans' new positions in the trie and copy their key/values (buffer
+        positions ``at + j`` of row ``i``) into the slots it gave them, one copy per side."""
+        rows: list[np.ndarray] = []
+        cols: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        for i, p in enumerate(plans):
+            placed = self._insert(root, p.row, p.cached)
+            if placed is not None:
+                off, where = placed
+                rows.append(np.full(len(where), i))
+                cols.append(np.arange(at + off, at + off + len(where)))
+                slots.append(where)
+        if not slots:
+            return
+        r = torch.from_numpy(np.concatenate(rows)).to(buf_k.device)
+        c = torch.from_numpy(np.concatenate(cols)).to(buf_k.device)
+        # indices at dims 1 and 3 around a slice: the result is [positions, layers, heads, dim]
+        self.arena.write(np.concatenate(slots), buf_k[:, r, :, c], buf_v[:, r, :, c])
+
     def _shared_head(self, plans: list[_Plan]) -> int:
-        """How many first positions every row takes from the same cached piece, when the
+        """How many first positions every row takes from the same cached node, when the
         model's attention can attend to them in place (``attention.shared_prefix``: CPU
         models) and there are at least ``HEAD_MIN_TOKENS``; else 0."""
         if len(plans) < 2 or getattr(self.config, "_attn_implementation", None) != attention.NAME:
             return 0
         if not all(p.pieces for p in plans):
             return 0
-        keys = plans[0].pieces[0][0]
-        if any(p.pieces[0][0] is not keys for p in plans):
+        node = plans[0].pieces[0][0]
+        if any(p.pieces[0][0] is not node for p in plans):
             return 0
-        head = min(p.pieces[0][2] for p in plans)
+        head = min(p.pieces[0][1] for p in plans)
         return head if head >= HEAD_MIN_TOKENS else 0
 
     def _head_views(self, plan: _Plan, head: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each layer's ``[kv_heads, head, dim]`` keys and values of the shared head (views)."""
-        keys, values, _ = plan.pieces[0]
-        return [k[:, :head] for k in keys], [v[:, :head] for v in values]
+        """Each layer's ``[kv_heads, head, dim]`` keys and values of the shared head, read from
+        the arena once and kept while the same node's first ``head`` slots are asked for (an
+        SMC run's prompt, step after step)."""
+        node = plan.pieces[0][0]
+        slots = node.slots[:head]
+        kept = self._head
+        if kept is None or kept[0] is not node or not np.array_equal(kept[1], slots):
+            keys, values = self.arena.read(slots)  # [head, layers, kv_heads, dim]
+            k = keys.permute(1, 2, 0, 3).contiguous()
+            v = values.permute(1, 2, 0, 3).contiguous()
+            kept = self._head = (node, slots.copy(), list(k), list(v))
+        return kept[2], kept[3]
 
     def _gather(
         self,
@@ -388,40 +368,21 @@ class KVCache(KVTrie):
         buf_v: torch.Tensor,
         head: int = 0,
     ) -> None:
-        """Copy each plan's cached pieces, but their first ``head`` positions (attended in
-        place), into row ``i`` of the buffers, positions ``[0, cached - head)``, and zero
-        ``[cached - head, past - head)``: one copy per distinct piece and offset, for all the
-        rows that use it (the shared prompt of N particles is one copy, not N)."""
-        uses: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
-        short: dict[int, list[int]] = {}
+        """Copy each plan's cached positions but the first ``head`` (attended in place) into row
+        ``i`` of the buffers, positions ``[0, cached - head)``, zeros up to ``past - head``: one
+        read of the arena per side, for all rows and layers."""
+        width = past - head
+        if width <= 0:
+            return
+        index = np.full((len(plans), width), ZERO_SLOT, dtype=np.int64)
         for i, p in enumerate(plans):
-            at = 0
-            for keys, values, take in p.pieces:
-                use = uses.get((id(keys), at, take))
-                if use is None:
-                    uses[(id(keys), at, take)] = (keys, values, [i])
-                else:
-                    use[2].append(i)
-                at += take
-            if at < past:
-                short.setdefault(at, []).append(i)
-        # Rows that use a piece come in runs of consecutive rows (the shared prompt: all of
-        # them): one broadcast copy per run. An index tensor instead (index_put) took 42% of
-        # the worker's time at SmolLM2-135M's shape on the CPU (docs/performance.md).
-        for (_, at, take), (keys, values, index) in uses.items():
-            skip = max(head - at, 0)  # the part of the piece inside the shared head
-            if skip >= take:
-                continue
-            to = slice(at + skip - head, at + take - head)
-            for lo, hi in runs(index):
-                buf_k[:, lo:hi, :, to] = keys[:, None, :, skip:take]
-                buf_v[:, lo:hi, :, to] = values[:, None, :, skip:take]
-        # Padding in the past is zeroed: masked slots get weight 0, and 0 * NaN would poison
-        # the row.
-        for at, index in short.items():
-            for lo, hi in runs(index):
-                buf_k[:, lo:hi, :, at - head : past - head] = 0
-                buf_v[:, lo:hi, :, at - head : past - head] = 0
+            if p.cached > head:
+                mine = [node.slots[:take] for node, take in p.pieces]
+                slots = (mine[0] if len(mine) == 1 else np.concatenate(mine))[head:]
+                index[i, : len(slots)] = slots
+        keys, values = self.arena.read(index)  # [rows, width, layers, kv_heads, dim]
+        buf_k[:, :, :, :width] = keys.permute(2, 0, 3, 1, 4)
+        buf_v[:, :, :, :width] = values.permute(2, 0, 3, 1, 4)
 
 
 def _groups(plans: list[_Plan]) -> list[list[_Plan]]:

@@ -1,15 +1,14 @@
-"""The token trie behind the hf backend's key/value cache (:mod:`.kv_cache`): storage, LRU
-eviction in bytes, pins. It holds key/values; computing them is :class:`.kv_cache.KVCache`'s.
+"""The token trie behind the hf backend's key/value cache (:mod:`.kv_cache`): which slots of the
+arena (:mod:`.kv_slots`) hold which prefix, LRU eviction in bytes, pins. It stores key/values;
+computing them is :class:`.kv_cache.KVCache`'s.
 
 Layout: a radix trie per namespace (LoRA adapter, ``None`` for the base model). Each node holds
-a *segment* of tokens and, for those positions only, one key tensor and one value tensor of shape
-``[layers, kv_heads, len(segment), head_dim]`` in storage of its own. A prefix is the
-concatenation of the segments along its path, so a shared prefix is stored once however many
-prompts extend it (no per-prompt copies), and one node costs two tensors, not two per layer.
+a *segment* of tokens and the arena slots of those positions. A prefix is the concatenation of
+the segments along its path, so a shared prefix is stored once however many prompts extend it.
 A row that extends a leaf grows the leaf's segment (up to ``GROW_MAX_TOKENS``) instead of
 hanging a one-token node under it, so the path of a sequence decoded token by token stays short.
-A branch in the middle of a segment splits it into two nodes (copied so that neither keeps the
-other's storage alive, which keeps ``bytes_used`` equal to the real tensor bytes).
+A branch in the middle of a segment splits it into two nodes, which share no slot. Nothing here
+copies key/values: splitting and growing move slot numbers, and eviction frees a leaf's slots.
 
 Eviction is least-recently-used in bytes: only leaves go, and a request touches its whole path,
 deepest node first, so the order always lists a node after all its descendants and the oldest
@@ -22,43 +21,30 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-import torch
+import numpy as np
+
+from worker.backends.hf.kv_slots import SlotArena
 
 Row = tuple[int, ...]
 GROW_MAX_TOKENS = 64
-"""A leaf grows in place (one copy of its segment) while it holds at most this many tokens;
-past that, new positions start a child segment: growing is never quadratic in a sequence."""
+"""A leaf grows in place while it holds at most this many tokens; past that, new positions
+start a child segment, so that a path's segments stay few and its slot arrays short."""
+NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class Node:
-    """A segment of tokens and, for those positions only, their keys and values
-    (``[layers, kv_heads, len(tokens), dim]``; None at a namespace's root)."""
+    """A segment of tokens and the arena slots of those positions (none at a namespace's
+    root)."""
 
-    __slots__ = ("children", "keys", "nbytes", "parent", "pins", "tokens", "values")
+    __slots__ = ("children", "nbytes", "parent", "pins", "slots", "tokens")
 
-    def __init__(
-        self,
-        tokens: Row,
-        keys: torch.Tensor | None,
-        values: torch.Tensor | None,
-        parent: Node | None,
-    ) -> None:
+    def __init__(self, tokens: Row, slots: np.ndarray, parent: Node | None, nbytes: int) -> None:
         self.tokens = tokens
-        self.keys = keys
-        self.values = values
+        self.slots = slots
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.pins = 0
-        self.nbytes = _nbytes(keys) + _nbytes(values)
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy in storage of its own (a view would keep its base alive)."""
-    return t.clone(memory_format=torch.contiguous_format)
+        self.nbytes = nbytes
 
 
 def lcp(a: Row, b: Row) -> int:
@@ -88,8 +74,10 @@ class KVTrie:
     stay within ``budget_bytes``; see the module docstring. Thread-safe (one re-entrant lock,
     which :class:`.kv_cache.KVCache` also holds while it computes)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, arena: SlotArena) -> None:
         self.budget_bytes = int(budget_bytes)
+        self.arena = arena
+        arena.set_budget(self.budget_bytes)
         self._lock = threading.RLock()
         self._roots: dict[Hashable, Node] = {}
         self._lru: OrderedDict[Node, None] = OrderedDict()
@@ -123,15 +111,18 @@ class KVTrie:
     def set_budget(self, budget_bytes: int) -> None:
         with self._lock:
             self.budget_bytes = int(budget_bytes)
+            self.arena.set_budget(self.budget_bytes)
             self._evict()
 
     def clear(self) -> None:
-        """Drop every entry, pinned ones included; counters other than sizes are kept."""
+        """Drop every entry, pinned ones included, and give the arena's memory back; counters
+        other than sizes are kept."""
         with self._lock:
             self._roots.clear()
             self._lru.clear()
             self._pinned.clear()
             self.bytes_used = 0
+            self.arena.release()
 
     def drop(self, namespace: Hashable) -> None:
         """Drop every entry of one namespace (an adapter that was unloaded), pinned ones too."""
@@ -144,17 +135,17 @@ class KVTrie:
                 self._lru.pop(node, None)
                 self._pinned.discard(node)
                 self.bytes_used -= node.nbytes
+                self.arena.free(node.slots)
 
     def measured_bytes(self) -> int:
-        """Bytes of the distinct tensor storages the trie holds, found by walking it."""
+        """Bytes of the distinct arena slots the trie's nodes hold, found by walking it; -1 when
+        the arena counts a different number of slots in use (a slot lost or shared)."""
         with self._lock:
-            seen: dict[int, int] = {}
-            for node in self._lru:
-                for t in (node.keys, node.values):
-                    if t is not None:
-                        storage = t.untyped_storage()
-                        seen[storage.data_ptr()] = storage.nbytes()
-            return sum(seen.values())
+            held = [node.slots for node in self._lru]
+            slots = np.unique(np.concatenate(held)) if held else NO_SLOTS
+            if len(slots) != self.arena.used_slots or len(slots) != sum(map(len, held)):
+                return -1
+            return len(slots) * self.arena.slot_bytes
 
     def cached_length(self, ids: Sequence[int], namespace: Hashable = None) -> int:
         """How many leading tokens of ``ids`` the cache holds now."""
@@ -165,7 +156,7 @@ class KVTrie:
     def _root(self, namespace: Hashable) -> Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = Node((), None, None, None)
+            root = self._roots[namespace] = Node((), NO_SLOTS, None, 0)
         return root
 
     def _match(self, root: Node, row: Row) -> tuple[int, list[tuple[Node, int]]]:
@@ -208,34 +199,35 @@ class KVTrie:
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` tokens; returns the new parent (head) node."""
-        assert node.parent is not None and node.keys is not None and node.values is not None
-        head = Node(
-            node.tokens[:k], _own(node.keys[:, :, :k]), _own(node.values[:, :, :k]), node.parent
-        )
+        assert node.parent is not None
+        size = self.arena.slot_bytes
+        head = Node(node.tokens[:k], node.slots[:k], node.parent, k * size)
         node.parent.children[head.tokens[0]] = head
-        before = node.nbytes
         node.tokens = node.tokens[k:]
-        node.keys = _own(node.keys[:, :, k:])
-        node.values = _own(node.values[:, :, k:])
-        node.nbytes = _nbytes(node.keys) + _nbytes(node.values)
+        node.slots = node.slots[k:]
+        node.nbytes = len(node.tokens) * size
         node.parent = head
         head.children[node.tokens[0]] = node
-        self.bytes_used += head.nbytes + node.nbytes - before
         self._lru[head] = None
         return head
 
-    def _insert(
-        self, root: Node, row: Row, start: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Store key/values of ``row[start:]`` (``keys``: ``[layers, heads, len - start, dim]``)."""
+    def _insert(self, root: Node, row: Row, start: int) -> tuple[int, np.ndarray] | None:
+        """Make room in the trie for ``row[start:]``'s key/values; returns where the caller is
+        to write them: the offset of the first position to store past ``start`` and its slots
+        (one per position to the row's end). None when nothing is to be stored: the row is there
+        already (a duplicate or a full hit), its prefix went meanwhile, or the arena is full."""
         depth, path = self._match(root, row)
         nodes = [n for n, _ in path]
         if depth >= len(row) or depth < start:
-            # Already there (a duplicate or a full hit), or its prefix went meanwhile.
             self._touch(nodes)
-            return
+            return None
+        slots = self.arena.alloc(len(row) - depth)
+        if slots is None:
+            self._touch(nodes)
+            return None
+        size = self.arena.slot_bytes
+        self.bytes_used += len(slots) * size
         parent = root
-        off = depth - start
         if path:
             parent, k = path[-1]
             if k < len(parent.tokens):
@@ -246,31 +238,25 @@ class KVTrie:
                 and not parent.pins
                 and len(row) - depth + len(parent.tokens) <= GROW_MAX_TOKENS
             ):
-                self._grow(parent, row[depth:], keys[:, :, off:], values[:, :, off:])
+                # a row that extends a leaf (an SMC particle's next step) grows it, so that a
+                # particle's path stays a few segments long
+                parent.tokens += row[depth:]
+                parent.slots = np.concatenate((parent.slots, slots))
+                parent.nbytes = len(parent.tokens) * size
                 self._touch(nodes)
-                return
-        child = Node(row[depth:], _own(keys[:, :, off:]), _own(values[:, :, off:]), parent)
+                return depth - start, slots
+        child = Node(row[depth:], slots, parent, len(slots) * size)
         parent.children[child.tokens[0]] = child
-        self.bytes_used += child.nbytes
         self._lru[child] = None
         self._touch([*nodes, child])
-
-    def _grow(self, node: Node, tokens: Row, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append positions to a leaf's segment (a row that extends it, as an SMC particle's
-        next step does), so that a particle's path stays a few segments long."""
-        assert node.keys is not None and node.values is not None
-        before = node.nbytes
-        node.tokens += tokens
-        node.keys = torch.cat((node.keys, keys), dim=2)
-        node.values = torch.cat((node.values, values), dim=2)
-        node.nbytes = _nbytes(node.keys) + _nbytes(node.values)
-        self.bytes_used += node.nbytes - before
+        return depth - start, slots
 
     def _remove(self, node: Node) -> None:
         assert node.parent is not None and not node.children
         del node.parent.children[node.tokens[0]]
         del self._lru[node]
         self.bytes_used -= node.nbytes
+        self.arena.free(node.slots)
         self.evictions += 1
 
     def _evict(self) -> None:
