@@ -5,8 +5,10 @@ transformers with a KV cache, every row's full ``log_softmax`` copied out to the
 particles' tokens drawn by one batched inverse-CDF draw (``draw``). Two workload shapes:
 
 - **SMC**: N particles share a prompt; each step every particle needs the next-token row of
-  its own prefix, one token longer than the last; every 4th step the particles are resampled
-  (some duplicated, some dropped). Bare: the prompt prefilled once, then one batched decode
+  its own prefix, one token longer than the last; every 4th step (``--resample-every``) the
+  particles are resampled (some duplicated, some dropped), survivors in index order, or in the
+  order drawn with ``--shuffled`` (as ``numpy.random.choice`` hands them out: duplicates
+  scattered over the batch). Bare: the prompt prefilled once, then one batched decode
   step of all particles per step, the cache rows gathered on resampling (``index_select``).
   Pool: the same loop through ``RemoteLM.next_token_logprobs``, one hf worker, KV cache on.
 - **genlm** (genlm-backend's favourite case): P prompts = a shared prefix + 8 distinct tokens,
@@ -46,7 +48,6 @@ from shared.keys import Keys
 KEYS = Keys()
 VOCAB = 49_152
 """SmolLM2's vocabulary (the tiny and default models): a row's size, for the cache's filler."""
-RESAMPLE_EVERY = 4
 
 
 # -- the workload, shared by both sides --------------------------------------------------------
@@ -61,9 +62,16 @@ def draw(rows: torch.Tensor, gen: torch.Generator) -> list[int]:
     return torch.searchsorted(cdf, u)[:, 0].clamp(max=rows.shape[1] - 1).tolist()
 
 
-def resample(rng: random.Random, n: int) -> list[int]:
-    """Which particles survive a resampling step (with duplicates), in order."""
-    return sorted(rng.choices(range(n), k=n))
+def resample(rng: random.Random, n: int, shuffled: bool) -> list[int]:
+    """Which particles survive a resampling step (with duplicates), in index order unless
+    ``shuffled``."""
+    drawn = rng.choices(range(n), k=n)
+    return drawn if shuffled else sorted(drawn)
+
+
+def resampling(step: int, args: argparse.Namespace) -> bool:
+    """Whether the particles are resampled after ``step`` (then every ``resample_every``)."""
+    return (step + 2) % args.resample_every == 0
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
@@ -107,8 +115,8 @@ def bare_smc(model: Any, args: argparse.Namespace, seed: int) -> tuple[int, floa
             out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
             rows = torch.log_softmax(out.logits[:, -1].float(), -1).cpu()
             rows_out += n
-            if step % RESAMPLE_EVERY == RESAMPLE_EVERY - 2:
-                keep = torch.tensor(resample(rng, n), device=device)
+            if resampling(step, args):
+                keep = torch.tensor(resample(rng, n, args.shuffled), device=device)
                 cache.reorder_cache(keep)
                 rows = rows[keep.cpu()]
     sync(device)
@@ -176,8 +184,8 @@ async def pool_smc(lm: Any, args: argparse.Namespace, seed: int) -> tuple[int, f
         if step == args.steps - 1:
             break
         seqs = [[*s, t] for s, t in zip(seqs, draw(rows, gen), strict=True)]
-        if step % RESAMPLE_EVERY == RESAMPLE_EVERY - 2:
-            seqs = [list(seqs[i]) for i in resample(rng, n)]
+        if resampling(step, args):
+            seqs = [list(seqs[i]) for i in resample(rng, n, args.shuffled)]
     return rows_out, time.perf_counter() - started
 
 
@@ -363,7 +371,9 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         else:  # vLLM keeps its prefix cache to itself
             counters = f"no KV counters from the {args.backend} worker"
         report.line(
-            f"SMC ({p}, x{args.rounds}): bare {b:.1f} rows/s, pool (KV on) {pl:.1f} rows/s = "
+            f"SMC ({p}, resampled every {args.resample_every}"
+            f"{', survivors shuffled' if args.shuffled else ''}, x{args.rounds}): "
+            f"bare {b:.1f} rows/s, pool (KV on) {pl:.1f} rows/s = "
             f"{pl / b:.2f}x bare (target >= 0.5x); {counters}"
         )
         steps = args.steps * args.rounds
@@ -415,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--particles", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--resample-every", type=int, default=4, help="SMC: steps a resampling")
+    parser.add_argument(
+        "--shuffled", action="store_true", help="SMC: survivors in the order drawn, not sorted"
+    )
     parser.add_argument("--sets", type=int, default=3, help="timed prompt sets of the genlm shape")
     parser.add_argument("--rounds", type=int, default=2, help="bare and pool alternate this often")
     parser.add_argument("--kv-off", action="store_true", help="also the pool with its KV cache off")

@@ -355,8 +355,9 @@ class KVCache(KVTrie):
         kept = self._head
         if kept is None or kept[0] is not node or not np.array_equal(kept[1], slots):
             keys, values = self.arena.read(slots)  # [head, layers, kv_heads, dim]
-            k = keys.permute(1, 2, 0, 3).contiguous()
-            v = values.permute(1, 2, 0, 3).contiguous()
+            # copies of their own: the read's memory is the arena's scratch
+            k = keys.permute(1, 2, 0, 3).clone(memory_format=torch.contiguous_format)
+            v = values.permute(1, 2, 0, 3).clone(memory_format=torch.contiguous_format)
             kept = self._head = (node, slots.copy(), list(k), list(v))
         return kept[2], kept[3]
 

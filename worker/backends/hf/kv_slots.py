@@ -16,6 +16,7 @@ its memory back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,7 @@ class SlotArena:
         self.values = torch.zeros((1, *self.shape_v), dtype=self.dtype, device=self.device)
         self._free = np.empty(0, dtype=np.int64)
         self._nfree = 0
+        self._scratch = torch.empty(0, dtype=self.dtype)
 
     def set_budget(self, budget_bytes: int) -> None:
         """Cap the slots at the budget's worth and ``SLACK`` more."""
@@ -141,10 +143,23 @@ class SlotArena:
         self.values.index_copy_(0, index, values.to(self.dtype))
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of ``slots`` (any shape ``S``): ``[*S, layers, kv_heads, dim]``."""
+        """The keys and values of ``slots`` (any shape ``S``): ``[*S, layers, kv_heads, dim]``,
+        valid until the next ``read``. On the CPU they are written into scratch memory kept
+        between reads (fresh memory every pass costs a page fault per 4 KB)."""
         index = torch.from_numpy(np.ascontiguousarray(slots).reshape(-1)).to(self.device)
-        keys = self.keys.index_select(0, index).view(*slots.shape, *self.shape_k)
-        return keys, self.values.index_select(0, index).view(*slots.shape, *self.shape_v)
+        n = len(index)
+        if self.device.type != "cpu":
+            keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        else:
+            size_k, size_v = n * math.prod(self.shape_k), n * math.prod(self.shape_v)
+            if self._scratch.numel() < size_k + size_v:
+                self._scratch = torch.empty(0, dtype=self.dtype)  # the old one goes first
+                self._scratch = torch.empty(size_k + size_v, dtype=self.dtype)
+            keys = self._scratch[:size_k].view(n, *self.shape_k)
+            values = self._scratch[size_k : size_k + size_v].view(n, *self.shape_v)
+            torch.index_select(self.keys, 0, index, out=keys)
+            torch.index_select(self.values, 0, index, out=values)
+        return keys.view(*slots.shape, *self.shape_k), values.view(*slots.shape, *self.shape_v)
 
     def _grow(self, more: int) -> bool:
         """Room for at least ``more`` further slots within the cap; False if there is none."""
