@@ -78,7 +78,8 @@ class Settings:
     prefix_caching: bool = True
     """vllm, sglang: reuse the KV cache of prompt prefixes the engine has seen."""
     kv_cache_mb: int = 512
-    """hf: memory for cached key/value tensors of earlier prompts (0 turns it off); vllm on
+    """hf: memory for cached key/values of earlier prompts (0 turns it off; the arena takes up
+    to a quarter more for one pass's new positions before it evicts); vllm on
     the CPU: the engine's KV-cache memory (0: a modest share of what is free)."""
     shards: int = 4
     """Interactive request streams per model. A prompt's shard comes from its first
