@@ -238,7 +238,7 @@ def test_namespaces_and_off_switch(model_dir: Path, reference: HFBackend) -> Non
     assert cache.cached_length(prompt, namespace="adapter-a") == 12
     assert cache.cached_length(prompt) == 0
     # namespaces share the arena; dropping one (an unloaded adapter) frees its slots only
-    cache.last_logits([prompt, prompt[:5] + [1, 2]])
+    cache.last_logits([prompt, [*prompt[:5], 1, 2]])
     per_token = cache.layout.token_bytes()
     assert cache.measured_bytes() == cache.bytes_used == (12 + 12 + 2) * per_token
     cache.drop("adapter-a")

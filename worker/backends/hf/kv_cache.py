@@ -381,6 +381,12 @@ class KVCache(KVTrie):
                 mine = [node.slots[:take] for node, take in p.pieces]
                 slots = (mine[0] if len(mine) == 1 else np.concatenate(mine))[head:]
                 index[i, : len(slots)] = slots
+        if len(plans) == 1 and buf_k.device.type == "cpu":
+            # a lone row (one researcher's request) is read straight into its buffer: on the
+            # CPU index_select writes through the permuted view, one copy instead of two
+            row_k, row_v = buf_k[:, 0, :, :width], buf_v[:, 0, :, :width]
+            self.arena.read_into(index[0], row_k.permute(2, 0, 1, 3), row_v.permute(2, 0, 1, 3))
+            return
         keys, values = self.arena.read(index)  # [rows, width, layers, kv_heads, dim]
         buf_k[:, :, :, :width] = keys.permute(2, 0, 3, 1, 4)
         buf_v[:, :, :, :width] = values.permute(2, 0, 3, 1, 4)

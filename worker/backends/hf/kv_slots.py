@@ -161,6 +161,14 @@ class SlotArena:
             torch.index_select(self.values, 0, index, out=values)
         return keys.view(*slots.shape, *self.shape_k), values.view(*slots.shape, *self.shape_v)
 
+    def read_into(self, slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the keys and values of ``slots`` (1-D) straight into ``keys`` / ``values``
+        (``[len(slots), layers, kv_heads, dim]`` views of any strides, as one row of a pass's
+        buffers is), with no memory in between; for the CPU."""
+        index = torch.from_numpy(slots).to(self.device)
+        torch.index_select(self.keys, 0, index, out=keys)
+        torch.index_select(self.values, 0, index, out=values)
+
     def _grow(self, more: int) -> bool:
         """Room for at least ``more`` further slots within the cap; False if there is none."""
         old = self.capacity
