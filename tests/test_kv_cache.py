@@ -21,6 +21,7 @@ from shared.settings import Settings
 from worker.backends.hf import HFBackend, attention
 from worker.backends.hf.kv_cache import HEAD_MIN_TOKENS, SHARE_MIN_TOKENS, KVCache
 from worker.backends.hf.kv_trie import GROW_MAX_TOKENS
+from worker.metrics import Metrics
 
 VOCAB = 1000
 ATOL = 1e-4
@@ -404,6 +405,7 @@ def test_an_arena_at_its_cap_stores_what_fits_and_stays_exact(
     batch = [tokens(rng, 10) for _ in range(4)]  # 40 new positions, room for 25
     check(backend, reference, batch)
     assert cache.arena.capacity == 25
+    assert backend.kv_stats()["arena_bytes"] == 26 * per_token  # and the zero slot
     assert sum(cache.cached_length(p) == len(p) for p in batch) == 2  # the third did not fit
     assert cache.measured_bytes() == cache.bytes_used == 20 * per_token
     for _ in range(3):
@@ -413,5 +415,11 @@ def test_an_arena_at_its_cap_stores_what_fits_and_stays_exact(
         assert cache.measured_bytes() == cache.bytes_used == stored_tokens(cache) * per_token
     cache.clear()
     assert cache.arena.capacity == cache.arena.used_slots == cache.bytes_used == 0
+    assert cache.stats()["arena_bytes"] == per_token
+    metrics = Metrics("m", "hf")
+    metrics.observe_kv(backend.kv_stats())
+    assert metrics.registry.get_sample_value(
+        "lmpool_kv_arena_bytes", {"model": "m", "backend": "hf"}
+    ) == float(per_token)
     check(backend, reference, batch)
     assert cache.measured_bytes() == cache.bytes_used > 0

@@ -51,6 +51,10 @@ class Metrics:
             "lmpool_kv_cache_bytes", "Bytes of cached key/value tensors", list(labels),
             registry=self.registry,
         ).labels(**labels)  # fmt: skip
+        self.kv_arena_bytes = Gauge(
+            "lmpool_kv_arena_bytes", "Memory the KV cache's arena holds (cached or free slots)",
+            list(labels), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
         self.kv_hit_rate = Gauge(
             "lmpool_kv_hit_rate", "Prompt tokens reused from the KV cache / tokens requested",
             list(labels), registry=self.registry,
@@ -113,5 +117,6 @@ class Metrics:
 
     def observe_kv(self, stats: dict[str, int]) -> None:
         self.kv_bytes.set(stats.get("bytes_used", 0))
+        self.kv_arena_bytes.set(stats.get("arena_bytes", 0))
         requested = stats.get("tokens_requested", 0)
         self.kv_hit_rate.set(stats.get("tokens_reused", 0) / requested if requested else 0.0)

@@ -67,8 +67,8 @@ class KVCache(KVTrie):
     ``last_logits`` and ``tail_logits`` (scores) are the compute entry points. Counters
     (cumulative unless noted): ``tokens_requested`` (prompt tokens asked for, duplicates
     included), ``tokens_reused`` (served from the cache or from a duplicate in the same batch),
-    ``tokens_computed`` (run through the model, shared-prefix passes included), ``bytes_used``
-    and ``entries`` (now).
+    ``tokens_computed`` (run through the model, shared-prefix passes included), ``bytes_used``,
+    ``arena_bytes`` (the arena's memory, free slots included) and ``entries`` (now).
     """
 
     STAT_NAMES = (
@@ -76,6 +76,7 @@ class KVCache(KVTrie):
         "tokens_reused",
         "tokens_computed",
         "bytes_used",
+        "arena_bytes",
         "budget_bytes",
         "pinned_bytes",
         "entries",

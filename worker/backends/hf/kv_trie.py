@@ -89,6 +89,11 @@ class KVTrie:
     def entries(self) -> int:
         return len(self._lru)
 
+    @property
+    def arena_bytes(self) -> int:
+        """Memory of the arena's slots, free ones and the zero slot included."""
+        return (self.arena.capacity + 1) * self.arena.slot_bytes
+
     def unpin(self, prefix_ids: Sequence[int], namespace: Hashable = None) -> bool:
         """Undo one ``pin``; False when the prefix is not pinned."""
         with self._lock:
