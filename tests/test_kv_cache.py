@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
-from worker.backends.hf import HFBackend, attention
+from worker.backends.hf import HFBackend, attention, kv_slots
 from worker.backends.hf.kv_cache import HEAD_MIN_TOKENS, SHARE_MIN_TOKENS, KVCache
 from worker.backends.hf.kv_trie import GROW_MAX_TOKENS
 from worker.metrics import Metrics
@@ -423,3 +423,26 @@ def test_an_arena_at_its_cap_stores_what_fits_and_stays_exact(
     ) == float(per_token)
     check(backend, reference, batch)
     assert cache.measured_bytes() == cache.bytes_used > 0
+
+
+def test_a_read_too_big_for_one_part_goes_in_parts(
+    model_dir: Path, reference: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads of many rows' pasts are split to keep their scratch memory within
+    ``kv_slots.READ_BYTES``: here two rows a part, with the same answers."""
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    batches = list(smc_batches(VOCAB, seed=15, prefix=20, steps=4))
+    width = max(map(len, batches[-1]))
+    monkeypatch.setattr(kv_slots, "READ_BYTES", 2 * width * cache.arena.slot_bytes)
+    reads: list[int] = []
+    read = cache.arena.read
+
+    def counted(slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        reads.append(len(slots))
+        return read(slots)
+
+    monkeypatch.setattr(cache.arena, "read", counted)
+    for batch in batches:
+        check(backend, reference, batch)
+    assert reads and max(reads) <= 2 and len(reads) > len(batches)

@@ -388,9 +388,13 @@ class KVCache(KVTrie):
             row_k, row_v = buf_k[:, 0, :, :width], buf_v[:, 0, :, :width]
             self.arena.read_into(index[0], row_k.permute(2, 0, 1, 3), row_v.permute(2, 0, 1, 3))
             return
-        keys, values = self.arena.read(index)  # [rows, width, layers, kv_heads, dim]
-        buf_k[:, :, :, :width] = keys.permute(2, 0, 3, 1, 4)
-        buf_v[:, :, :, :width] = values.permute(2, 0, 3, 1, 4)
+        # in as few reads as keep each one's memory within the arena's READ_BYTES (one for an
+        # SMC step's own pasts)
+        step = self.arena.rows_per_read(width)
+        for lo in range(0, len(plans), step):
+            keys, values = self.arena.read(index[lo : lo + step])  # [rows, width, layers, ...]
+            buf_k[:, lo : lo + step, :, :width] = keys.permute(2, 0, 3, 1, 4)
+            buf_v[:, lo : lo + step, :, :width] = values.permute(2, 0, 3, 1, 4)
 
 
 def _groups(plans: list[_Plan]) -> list[list[_Plan]]:

@@ -30,6 +30,8 @@ GROW_FIRST = 1024
 """Slots of the first allocation (or fewer, if the cap is lower)."""
 SLACK = 0.25
 """Slots past the budget the arena may take for one pass's new positions before eviction."""
+READ_BYTES = 64 << 20
+"""A read of many rows' pasts goes in parts of at most this many bytes (the CPU's scratch)."""
 
 
 class UnsupportedModel(Exception):
@@ -122,6 +124,10 @@ class SlotArena:
     @property
     def used_slots(self) -> int:
         return self.capacity - self._nfree
+
+    def rows_per_read(self, width: int) -> int:
+        """How many rows of ``width`` slots one ``read`` takes within ``READ_BYTES``."""
+        return max(1, READ_BYTES // max(1, width * self.slot_bytes))
 
     def alloc(self, n: int) -> np.ndarray | None:
         """``n`` free slot numbers, or None when the cap leaves fewer."""
