@@ -7,7 +7,8 @@ of its own, so that the cache's work per step is a handful of tensor operations 
 number of rows: the pasts of a pass are read with one ``index_select`` per side for all rows and
 layers, a pass's new positions are written with one ``index_copy_`` per side, and splitting,
 growing or duplicating a sequence moves slot numbers, never key/values. Slot 0 holds zeros, the
-filler of a short row's past.
+filler of a short row's past (never handed out: masked positions get weight 0, and 0 x NaN from
+uninitialized memory would poison the row).
 
 The arena grows by doubling up to ``max_slots`` (the budget, and a quarter more for a pass's new
 positions before the trie evicts); freed slots are reused last-freed first. ``release`` gives
