@@ -153,9 +153,10 @@ class SlotArena:
         """The keys and values of ``slots`` (any shape ``S``): ``[*S, layers, kv_heads, dim]``,
         valid until the next ``read``. On the CPU they are written into scratch memory kept
         between reads (fresh memory every pass costs a page fault per 4 KB)."""
-        index = torch.from_numpy(np.ascontiguousarray(slots).reshape(-1)).to(self.device)
-        n = len(index)
+        flat = np.ascontiguousarray(slots).reshape(-1)
+        n = len(flat)
         if self.device.type != "cpu":
+            index = torch.from_numpy(flat).to(self.device)
             keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
         else:
             size_k, size_v = n * math.prod(self.shape_k), n * math.prod(self.shape_v)
@@ -164,8 +165,7 @@ class SlotArena:
                 self._scratch = torch.empty(size_k + size_v, dtype=self.dtype)
             keys = self._scratch[:size_k].view(n, *self.shape_k)
             values = self._scratch[size_k : size_k + size_v].view(n, *self.shape_v)
-            torch.index_select(self.keys, 0, index, out=keys)
-            torch.index_select(self.values, 0, index, out=values)
+            self.read_into(flat, keys, values)
         return keys.view(*slots.shape, *self.shape_k), values.view(*slots.shape, *self.shape_v)
 
     def read_into(self, slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
