@@ -200,6 +200,25 @@ def test_prompts_sharing_a_prefix_all_stay_cached(model_dir: Path, reference: HF
     assert cache.tokens_computed - before == len({tuple(p) for p in nxt})
 
 
+def test_a_later_pass_reads_what_it_was_planned_from_though_an_earlier_one_split_it(
+    model_dir: Path, reference: HFBackend
+) -> None:
+    # One batch, two forward passes (eight one-token rows first, then a ten-token row): the
+    # first pass's rows branch inside the stored 40-token prompt, splitting its node eight
+    # times, before the second pass gathers that node's positions for its own row.
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    rng = random.Random(16)
+    prompt = tokens(rng, 40)
+    check(backend, reference, [prompt])
+    batch = [prompt[: 20 + i] + tokens(rng, 1) for i in range(8)] + [prompt + tokens(rng, 10)]
+    passes = cache.forward_passes
+    check(backend, reference, batch)
+    assert cache.forward_passes - passes == 2
+    assert all(cache.cached_length(p) == len(p) for p in batch)
+    assert cache.measured_bytes() == cache.bytes_used
+
+
 def test_pin_keeps_a_prefix(model_dir: Path, reference: HFBackend) -> None:
     backend = make_backend(model_dir, 1)
     cache = cache_of(backend)

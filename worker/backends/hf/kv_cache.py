@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from worker.backends.hf import attention
 from worker.backends.hf.kv_buffers import FilledLayer, PassBuffers
 from worker.backends.hf.kv_slots import ZERO_SLOT, SlotArena, describe_model
-from worker.backends.hf.kv_trie import KVTrie, Node, Row, ancestry, lcp
+from worker.backends.hf.kv_trie import NO_SLOTS, KVTrie, Node, Row, ancestry, lcp
 
 SHARE_MIN_TOKENS = 16
 """An uncached prefix shared by rows of one batch is run once, first, when at least this long."""
@@ -45,12 +45,17 @@ row's past) when at least this long and the model's attention can (``attention.N
 
 @dataclass
 class _Plan:
-    """One unique row of a batch: reuse ``cached`` tokens from ``pieces``, run the rest."""
+    """One unique row of a batch: reuse ``cached`` tokens (``slots``), run the rest."""
 
     row: Row
     cached: int
-    pieces: list[tuple[Node, int]]
-    """The nodes its cached positions come from, and how many of each node's first tokens."""
+    slots: np.ndarray
+    """The arena slots of its cached positions, taken when planned: a group's inserts may split
+    or grow the nodes a later group's rows were planned from, but free no slot."""
+    first: Node | None
+    """The node its first cached positions come from (None when nothing is cached)."""
+    first_take: int
+    """How many of them."""
     path: list[Node]
     """The trie nodes its match went through (touched as used)."""
     tail: int = 1
@@ -228,14 +233,16 @@ class KVCache(KVTrie):
     def _plan(self, root: Node, row: Row, tail: int = 1) -> _Plan:
         depth, path = self._match(root, row)
         cached = min(depth, len(row) - tail)  # the tail runs anyway: its logits are needed
-        pieces, left = [], cached
+        mine, left = [], cached
         for node, k in path:
             if left <= 0:
                 break
             take = min(k, left)
-            pieces.append((node, take))
+            mine.append(node.slots[:take])
             left -= take
-        return _Plan(row, cached, pieces, [n for n, _ in path], tail)
+        slots = NO_SLOTS if not mine else mine[0] if len(mine) == 1 else np.concatenate(mine)
+        first, first_take = (path[0][0], len(mine[0])) if mine else (None, 0)
+        return _Plan(row, cached, slots, first, first_take, [n for n, _ in path], tail)
 
     def _prefill_shared(self, root: Node, rows: list[Row]) -> bool:
         """Run once the uncached prefixes that several rows share, before the rows themselves;
@@ -339,20 +346,19 @@ class KVCache(KVTrie):
         models) and there are at least ``HEAD_MIN_TOKENS``; else 0."""
         if len(plans) < 2 or getattr(self.config, "_attn_implementation", None) != attention.NAME:
             return 0
-        if not all(p.pieces for p in plans):
+        node = plans[0].first
+        if node is None or any(p.first is not node for p in plans):
             return 0
-        node = plans[0].pieces[0][0]
-        if any(p.pieces[0][0] is not node for p in plans):
-            return 0
-        head = min(p.pieces[0][1] for p in plans)
+        head = min(p.first_take for p in plans)
         return head if head >= HEAD_MIN_TOKENS else 0
 
     def _head_views(self, plan: _Plan, head: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each layer's ``[kv_heads, head, dim]`` keys and values of the shared head, read from
         the arena once and kept while the same node's first ``head`` slots are asked for (an
         SMC run's prompt, step after step)."""
-        node = plan.pieces[0][0]
-        slots = node.slots[:head]
+        node = plan.first
+        assert node is not None  # a shared head is cached
+        slots = plan.slots[:head]
         kept = self._head
         if kept is None or kept[0] is not node or not np.array_equal(kept[1], slots):
             keys, values = self.arena.read(slots)  # [head, layers, kv_heads, dim]
@@ -379,9 +385,7 @@ class KVCache(KVTrie):
         index = np.full((len(plans), width), ZERO_SLOT, dtype=np.int64)
         for i, p in enumerate(plans):
             if p.cached > head:
-                mine = [node.slots[:take] for node, take in p.pieces]
-                slots = (mine[0] if len(mine) == 1 else np.concatenate(mine))[head:]
-                index[i, : len(slots)] = slots
+                index[i, : p.cached - head] = p.slots[head:]
         if len(plans) == 1 and buf_k.device.type == "cpu":
             # a lone row (one researcher's request) is read straight into its buffer: on the
             # CPU index_select writes through the permuted view, one copy instead of two
