@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +204,66 @@ async def test_answered_jobs_and_their_rows_are_freed_without_the_cycle_collecto
         assert all(w() is None for w in works)
     finally:
         gc.enable()
+
+
+async def test_a_steps_kv_stores_wait_until_its_answers_are_written(tmp_path: Path) -> None:
+    """The hf backend's KV stores of a step run after its answers are handed to the writer:
+    once the writer says they are written (``written``), in the compute thread; if another
+    step comes first, that step stores them before it plans. Answers equal the no-cache
+    path's either way."""
+    from poolkit import build_tiny_llama
+
+    from worker.backends.hf import HFBackend
+
+    model = build_tiny_llama(tmp_path)
+    backend = HFBackend(Settings(model=str(model), kv_cache_mb=4))
+    reference = HFBackend(Settings(model=str(model), kv_cache_mb=0))
+    finished: list[Job] = []
+
+    async def triage(jobs: list[Job]) -> None:
+        return None
+
+    compute = Compute(
+        backend, Settings(max_batch=8), finished.extend, lambda w, s: None,
+        lambda: time.time() * 1000, triage,
+    )  # fmt: skip
+    assert backend.settles_later and backend.kv_cache is not None
+    made = 0
+
+    def jobs(prompts: list[list[int]]) -> list[Job]:
+        nonlocal made
+        out = []
+        for p in prompts:
+            made += 1
+            job = Job(f"{made:064x}", 0, [])
+            job.work = Work("logprobs", p, tag=job)
+            out.append(job)
+        return out
+
+    async def step(prompts: list[list[int]]) -> None:
+        finished.clear()
+        compute.add(jobs(prompts))
+        await compute.step()
+        assert len(finished) == len(prompts)
+        for job, p in zip(finished, prompts, strict=True):
+            assert job.result is not None
+            want = reference.logprobs([p], None)[0]
+            torch.testing.assert_close(decode_result(job.result), want, atol=1e-5, rtol=0)
+
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]]
+    await step(prompts)
+    assert backend.unsettled() and backend.kv_cache.bytes_used == 0  # answered, not stored
+    compute.written()
+    await compute.settled()
+    assert not backend.unsettled()
+    assert all(backend.kv_cache.cached_length(p) == len(p) for p in prompts)
+
+    # no write reported: the next step stores the last one's positions first, then reuses them
+    longer = [[*p, 9] for p in prompts]
+    await step(longer)
+    computed = backend.kv_cache.tokens_computed
+    await step([[*p, 10] for p in longer])
+    assert backend.kv_cache.tokens_computed - computed == 2
+    compute.written()
+    await compute.settled()
+    assert backend.kv_cache.measured_bytes() == backend.kv_cache.bytes_used

@@ -61,15 +61,62 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def test_cached_matches_uncached_over_smc_steps(model_dir: Path, reference: HFBackend) -> None:
+@pytest.mark.parametrize("settles_later", [False, True])
+def test_cached_matches_uncached_over_smc_steps(
+    model_dir: Path, reference: HFBackend, settles_later: bool
+) -> None:
+    """With ``settles_later`` (as in a worker), a step's stores wait for ``settle`` or the
+    next call (``cached_length`` here, before the step: it settles first)."""
     backend = make_backend(model_dir, 4)
+    backend.settles_later = settles_later
     cache = cache_of(backend)
-    mixed = 0
+    mixed = left = 0
     for batch in smc_batches(VOCAB, seed=1):
         lengths = {cache.cached_length(p) for p in batch}
         mixed = max(mixed, len(lengths))
         check(backend, reference, batch)
+        left += backend.unsettled()
     assert mixed >= 3, "batches should mix rows with different cached lengths"
+    assert bool(left) == settles_later
+    backend.settle()
+    assert not backend.unsettled()
+    assert cache.measured_bytes() == cache.bytes_used > 0
+
+
+def test_a_deferred_store_lands_with_settle_and_before_any_other_use(
+    model_dir: Path, reference: HFBackend
+) -> None:
+    backend = make_backend(model_dir, 4)
+    cache = cache_of(backend)
+    rng = random.Random(17)
+    prompts = [tokens(rng, 30) for _ in range(3)]
+    size = cache.layout.token_bytes()
+
+    got = cache.last_logits(prompts, defer=True)
+    assert cache.unsettled and cache.bytes_used == 0 and cache.entries == 0
+    cache.settle()
+    assert not cache.unsettled and cache.bytes_used == 90 * size
+    assert cache.measured_bytes() == cache.bytes_used
+
+    # left for later, then another call: it stores them first and reuses them
+    more = [p + tokens(rng, 2) for p in prompts]
+    cache.last_logits(more, defer=True)
+    assert cache.unsettled
+    computed = cache.tokens_computed
+    check(backend, reference, [p + tokens(rng, 1) for p in more])
+    assert cache.tokens_computed - computed == 3
+    assert not cache.unsettled
+
+    # a budget cut, a pin, a drop: each settles first
+    cache.last_logits([prompts[0] + [1]], defer=True)
+    assert cache.pin(prompts[1]) == 30 * size and not cache.unsettled
+    cache.last_logits([prompts[0] + [2]], defer=True)
+    cache.drop(None)
+    assert not cache.unsettled and cache.bytes_used == 0 and cache.arena.used_slots == 0
+    cache.last_logits([prompts[0]], defer=True)
+    cache.clear()  # gives everything back, what was left for later too
+    assert not cache.unsettled and cache.bytes_used == 0
+    assert torch.equal(got, cache.last_logits(prompts))
 
 
 def test_eager_attention_matches_plain_forward(model_dir: Path) -> None:

@@ -108,3 +108,34 @@ async def test_torch_threads_setting_bounds_the_compute(
     cores = (cpu1 - cpu0) / (t1 - t0)
     assert t1 - t0 > 1.0, "too little work to measure"
     assert cores < 1.3, f"the worker used {cores:.2f} cores with LMPOOL_TORCH_THREADS=1"
+
+
+@pytest.mark.asyncio
+async def test_a_workers_kv_stores_land_once_its_answers_are_written(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path
+) -> None:
+    """A step's KV stores wait until its answers are written (then the worker does them while
+    the askers read): one request, nothing after it, and the worker's heartbeat soon counts
+    the prompt's positions in the cache."""
+    import json
+
+    import redis
+
+    from shared.keys import Keys
+    from worker.backends.hf.kv_slots import describe_model
+
+    workers(redis_url, model=str(tiny_llama), kv_cache_mb=16, heartbeat_s=0.05)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    want = 23 * describe_model(model).token_bytes()
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        await lm.next_token_logprobs(list(range(1, 24)))
+    r = redis.Redis.from_url(redis_url)
+    seen: list[int] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (not seen or seen[-1] != want):
+        for key in r.scan_iter(Keys().worker_pattern()):
+            raw = r.hget(key, "kv")
+            seen.append(json.loads(raw)["bytes_used"] if raw else 0)  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+    r.close()
+    assert seen and seen[-1] == want, f"bytes_used seen: {sorted(set(seen))}, want {want}"

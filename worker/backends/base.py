@@ -146,6 +146,10 @@ class Backend(ABC):
     info: ModelDescription
     max_batch: int = 16
     """Most rows one step runs, and most generations decoded together (the worker sets it)."""
+    settles_later: bool = False
+    """Set by the worker's compute loop, which calls :meth:`settle` once a step's answers are
+    written: a step may then leave work that no answer waits for (the hf KV cache's stores)
+    until that call, so that its answers leave sooner."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -231,6 +235,13 @@ class Backend(ABC):
     def kv_stats(self) -> dict[str, int]:
         """Counters of the backend's KV cache (hits, bytes...); empty when it has none."""
         return {}
+
+    def unsettled(self) -> bool:
+        """Whether a step left work for :meth:`settle`."""
+        return False
+
+    def settle(self) -> None:
+        """Do the work that steps left for later (in the compute thread, between steps)."""
 
     def close(self) -> None:
         """Free the model and its device memory."""

@@ -68,6 +68,7 @@ class Compute:
     ) -> None:
         self.backend = backend
         backend.max_batch = settings.max_batch
+        backend.settles_later = True  # see ``written``
         self.wire_dtype = torch_dtype(settings.wire_dtype)
         self.on_finished = on_finished
         self.on_step = on_step
@@ -97,6 +98,7 @@ class Compute:
         """Tenant -> virtual finish time of its last queued work (weighted fair queuing)."""
         self._virtual = 0.0
         """Virtual time: the largest rank of the works finished so far."""
+        self._settling: asyncio.Task[None] | None = None
 
     @property
     def outstanding(self) -> int:
@@ -262,6 +264,28 @@ class Compute:
             self.active.pop(job.digest, None)
         self.on_finished(expired)
         return [j for j in jobs if j.work is not None]
+
+    def written(self) -> None:
+        """A batch of answers is written: what the backend's steps left for later (the hf KV
+        cache's stores) runs now in the compute thread, while their askers read them, instead
+        of before the answers left (a step that comes first does it itself)."""
+        if self.backend.unsettled() and self._settling is None:
+            self._settling = asyncio.get_running_loop().create_task(self._settle_backend())
+
+    async def _settle_backend(self) -> None:
+        try:
+            async with self.lock:
+                if self.backend.unsettled():
+                    await in_compute_thread(self.backend.settle)
+        except Exception:
+            log.exception("the backend's work left for after a step failed")
+        finally:
+            self._settling = None
+
+    async def settled(self) -> None:
+        """Wait for ``written``'s work, if any is running."""
+        if self._settling is not None:
+            await asyncio.shield(self._settling)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the compute thread between two steps (e.g. loading an adapter)."""

@@ -165,6 +165,7 @@ class Consumer:
             raise
         await reader
         await self.writer.drain(stopping=True)
+        await self.compute.settled()
         await self.writer.aclose()
 
     def stop(self) -> None:
@@ -311,6 +312,7 @@ class Consumer:
         self.reader.step_ended()
 
     def _written(self, jobs: list[Job]) -> None:
+        self.compute.written()
         self.stats.record(jobs)
         self.stats.batches = self.compute.steps
         self.stats.computed = self.compute.computed

@@ -124,8 +124,16 @@ class HFBackend(Backend):
             logits = self._forward(prompts, lora)[:, -1, :]
         else:
             self._select_adapter(lora)
-            logits = self.kv_cache.last_logits(prompts, namespace=lora)
+            logits = self.kv_cache.last_logits(prompts, lora, self.settles_later)
         return torch.log_softmax(logits.float(), dim=-1).to(self.dtype)
+
+    def unsettled(self) -> bool:
+        return self.kv_cache is not None and self.kv_cache.unsettled
+
+    def settle(self) -> None:
+        """The KV stores of the last step (see ``settles_later``)."""
+        if self.kv_cache is not None:
+            self.kv_cache.settle()
 
     def kv_stats(self) -> dict[str, int]:
         """The kv cache's counters (all zero when it is off)."""
@@ -207,7 +215,7 @@ class HFBackend(Backend):
                 logits = self._forward(rows, lora, keep=max(tails))
             else:
                 self._select_adapter(lora)
-                logits = self.kv_cache.tail_logits(rows, tails, namespace=lora)
+                logits = self.kv_cache.tail_logits(rows, tails, lora, self.settles_later)
         width = max(tails, default=0)
         found = iter(zip(logits, todo, strict=True))
         out: list[torch.Tensor | BaseException] = []

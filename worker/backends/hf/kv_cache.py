@@ -19,6 +19,7 @@ uncached prefix shared by several rows of a batch is run once first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ HEAD_MIN_TOKENS = 32
 row's past) when at least this long and the model's attention can (``attention.NAME``)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Plan:
     """One unique row of a batch: reuse ``cached`` tokens (``slots``), run the rest."""
 
@@ -104,20 +105,24 @@ class KVCache(KVTrie):
 
     # -- public API ---------------------------------------------------------------------
     def last_logits(
-        self, prompts: Sequence[Sequence[int]], namespace: Hashable = None
+        self, prompts: Sequence[Sequence[int]], namespace: Hashable = None, defer: bool = False
     ) -> torch.Tensor:
         """Logits at the last position of each prompt, ``[len(prompts), vocab]``.
 
-        The caller selects the adapter that ``namespace`` names before calling.
+        The caller selects the adapter that ``namespace`` names before calling. ``defer``: a
+        single pass leaves storing its new positions to :meth:`settle` (the worker calls it once
+        the answers are written, so they leave without waiting for it); any later call settles
+        first.
         """
         rows = [tuple(p) for p in prompts]
         if not rows or not all(rows):
             raise ValueError("every prompt needs at least one token")
         with self._lock:
+            self.settle()
             unique = list(dict.fromkeys(rows))
             self.tokens_requested += sum(map(len, rows))
             self.tokens_reused += sum(map(len, rows)) - sum(map(len, unique))
-            logits = self._compute(self._root(namespace), unique, count=True)
+            logits = self._compute(self._root(namespace), unique, True, defer=defer)
         logits = logits[:, -1]
         if len(unique) == len(rows):
             return logits
@@ -125,14 +130,19 @@ class KVCache(KVTrie):
         return logits[torch.tensor([index[r] for r in rows], device=logits.device)]
 
     def tail_logits(
-        self, prompts: Sequence[Sequence[int]], tails: Sequence[int], namespace: Hashable = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        tails: Sequence[int],
+        namespace: Hashable = None,
+        defer: bool = False,
     ) -> torch.Tensor:
         """Logits at the last ``tails[i]`` positions of each prompt, ``[len(prompts), T, vocab]``
         with ``T = max(tails)``, each row's positions right-aligned (``[i, T - tails[i]:]``).
 
         A score's rows: prompt + continuation but its last token, the continuation's length as
         tail. Only the positions past the deepest cached prefix run, so the choices of one
-        multiple-choice question compute their shared context once.
+        multiple-choice question compute their shared context once. ``defer``: as for
+        :meth:`last_logits`.
         """
         rows = [tuple(p) for p in prompts]
         if len(rows) != len(tails) or not all(
@@ -140,13 +150,16 @@ class KVCache(KVTrie):
         ):
             raise ValueError("every prompt needs at least its tail's number of tokens (>= 1)")
         with self._lock:
+            self.settle()
             want: dict[Row, int] = {}
             for row, tail in zip(rows, tails, strict=True):
                 want[row] = max(want.get(row, 0), tail)
             unique = list(want)
             self.tokens_requested += sum(map(len, rows))
             self.tokens_reused += sum(map(len, rows)) - sum(map(len, unique))
-            logits = self._compute(self._root(namespace), unique, True, [want[r] for r in unique])
+            logits = self._compute(
+                self._root(namespace), unique, True, [want[r] for r in unique], defer
+            )
         width = max(tails)
         logits = logits[:, logits.shape[1] - width :]
         if len(unique) == len(rows):
@@ -164,6 +177,7 @@ class KVCache(KVTrie):
         if not row:
             raise ValueError("cannot pin an empty prefix")
         with self._lock:
+            self.settle()
             root = self._root(namespace)
             if self._match(root, row)[0] < len(row):
                 self._compute(root, [row])
@@ -178,7 +192,8 @@ class KVCache(KVTrie):
             return sum(n.nbytes for n in ancestry(node))
 
     def stats(self) -> dict[str, int]:
-        """The counters named in ``STAT_NAMES``."""
+        """The counters named in ``STAT_NAMES`` (a pass's positions count in ``bytes_used`` and
+        ``entries`` once stored: see :meth:`settle`)."""
         with self._lock:
             return {name: int(getattr(self, name)) for name in self.STAT_NAMES}
 
@@ -189,11 +204,13 @@ class KVCache(KVTrie):
         rows: list[Row],
         count: bool = False,
         tails: Sequence[int] | None = None,
+        defer: bool = False,
     ) -> torch.Tensor:
         """Logits of the last ``tails[i]`` positions (default 1) of unique ``rows``,
         ``[len(rows), max(tails), vocab]`` right-aligned; stores their key/values on the way.
 
         ``count``: add the reused tokens to ``tokens_reused`` (requests, not internal passes).
+        ``defer``: when it is one pass, leave its stores (and the eviction) to ``settle``.
         """
         tails = tails or [1] * len(rows)
 
@@ -213,9 +230,10 @@ class KVCache(KVTrie):
         groups = _groups(plans)
         # Eviction waits for the last group: a later group's plans read slots that an eviction
         # would free for an earlier group's new positions.
-        if len(groups) == 1 and groups[0] == plans:  # the usual case: one pass, rows in order
-            logits = self._forward(root, plans)
-            self._evict()
+        if len(groups) == 1:  # the usual case: one pass (the rows in their own order)
+            logits = self._forward(root, plans, defer)
+            if not defer:
+                self._evict()
             return logits
         position = {id(p): i for i, p in enumerate(plans)}
         width = max(tails)
@@ -260,10 +278,12 @@ class KVCache(KVTrie):
             self._compute(root, sorted(shared))
         return bool(shared)
 
-    def _forward(self, root: Node, plans: list[_Plan]) -> torch.Tensor:
-        """One padded forward over ``plans``; stores the new key/values, returns the logits of
-        their last ``T = max(tail)`` positions, ``[len(plans), T, vocab]`` (a row's positions
-        right-aligned; where it has fewer new tokens than ``T``, the first are filler)."""
+    def _forward(self, root: Node, plans: list[_Plan], defer: bool = False) -> torch.Tensor:
+        """One padded forward over ``plans``; stores the new key/values (or, ``defer``, leaves
+        that to ``settle``: the pass buffers stay untouched until then, as every next pass
+        settles first), returns the logits of their last ``T = max(tail)`` positions,
+        ``[len(plans), T, vocab]`` (a row's positions right-aligned; where it has fewer new
+        tokens than ``T``, the first are filler)."""
         lay = self.layout
         rows, past, width = len(plans), max(p.cached for p in plans), max(p.new for p in plans)
         head = self._shared_head(plans)  # positions [0, head) attended in place, not gathered
@@ -309,7 +329,12 @@ class KVCache(KVTrie):
             not isinstance(layer, FilledLayer) or not layer.filled for layer in cache.layers
         ):
             raise RuntimeError("the model did not store its key/values in the cache it was given")
-        self._store(root, plans, past - head, buf_k, buf_v)
+        if defer:
+            self._later.append(
+                functools.partial(self._store, root, plans, past - head, buf_k, buf_v)
+            )
+        else:
+            self._store(root, plans, past - head, buf_k, buf_v)
         self.forward_passes += 1
         self.tokens_computed += sum(p.new for p in plans)
         logits = out.logits

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -82,8 +82,27 @@ class KVTrie:
         self._roots: dict[Hashable, Node] = {}
         self._lru: OrderedDict[Node, None] = OrderedDict()
         self._pinned: set[Node] = set()
+        self._later: list[Callable[[], None]] = []
+        """Stores left for :meth:`settle` (:class:`.kv_cache.KVCache`'s ``defer``)."""
         self.bytes_used = 0
         self.evictions = 0
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether a pass left its stores for :meth:`settle`."""
+        return bool(self._later)
+
+    def settle(self) -> None:
+        """Do the stores that passes left for later, then evict down to the budget. Every other
+        method that reads or changes the trie calls it first; until then ``bytes_used`` and
+        ``entries`` leave those positions out."""
+        with self._lock:
+            if not self._later:
+                return
+            later, self._later = self._later, []
+            for store in later:
+                store()
+            self._evict()
 
     @property
     def entries(self) -> int:
@@ -97,6 +116,7 @@ class KVTrie:
     def unpin(self, prefix_ids: Sequence[int], namespace: Hashable = None) -> bool:
         """Undo one ``pin``; False when the prefix is not pinned."""
         with self._lock:
+            self.settle()
             node = self._node_at(self._root(namespace), tuple(prefix_ids))
             if node is None or not node.pins:
                 return False
@@ -115,6 +135,7 @@ class KVTrie:
 
     def set_budget(self, budget_bytes: int) -> None:
         with self._lock:
+            self.settle()
             self.budget_bytes = int(budget_bytes)
             self.arena.set_budget(self.budget_bytes)
             self._evict()
@@ -123,6 +144,7 @@ class KVTrie:
         """Drop every entry, pinned ones included, and give the arena's memory back; counters
         other than sizes are kept."""
         with self._lock:
+            self._later.clear()
             self._roots.clear()
             self._lru.clear()
             self._pinned.clear()
@@ -132,6 +154,7 @@ class KVTrie:
     def drop(self, namespace: Hashable) -> None:
         """Drop every entry of one namespace (an adapter that was unloaded), pinned ones too."""
         with self._lock:
+            self.settle()
             root = self._roots.pop(namespace, None)
             stack = list(root.children.values()) if root is not None else []
             while stack:
@@ -146,6 +169,7 @@ class KVTrie:
         """Bytes of the distinct arena slots the trie's nodes hold, found by walking it; -1 when
         the arena counts a different number of slots in use (a slot lost or shared)."""
         with self._lock:
+            self.settle()
             held = [node.slots for node in self._lru]
             slots = np.unique(np.concatenate(held)) if held else NO_SLOTS
             if len(slots) != self.arena.used_slots or len(slots) != sum(map(len, held)):
@@ -155,6 +179,7 @@ class KVTrie:
     def cached_length(self, ids: Sequence[int], namespace: Hashable = None) -> int:
         """How many leading tokens of ``ids`` the cache holds now."""
         with self._lock:
+            self.settle()
             return self._match(self._root(namespace), tuple(ids))[0]
 
     # -- the trie -----------------------------------------------------------------------
