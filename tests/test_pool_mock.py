@@ -266,9 +266,9 @@ async def test_full_rows_written_in_several_finish_groups_all_reach_their_askers
 async def test_requests_submitted_together_run_as_one_batch(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
-    """An SMC step's 64 particles, submitted together, run in one forward pass every step: the
-    worker's blocking read, which also covers the offline streams and so takes the offline
-    cap (LMPOOL_OFFLINE_BATCH) as its count, reads the rest of them at once."""
+    """An SMC step's 64 particles, submitted together, run in one forward pass every step,
+    though interactive requests came recently and offline work would then be read 4 at a time
+    (LMPOOL_OFFLINE_BATCH; that they come in one read: ``tests/test_reader.py``)."""
     w = workers(redis_url, backend="mock", mock_vocab_size=V, max_batch=64)
     rounds, shared = 3, list(range(1, 33))  # one shard: the first 32 tokens are shared
     async with await RemoteLM.connect(redis_url, model=MODEL) as lm:

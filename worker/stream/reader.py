@@ -39,6 +39,11 @@ OFFLINE_SHARE_EVERY = 4
 busy interactive caller never stops a batch job completely."""
 TENANTS_REFRESH_S = 0.1
 """How often the shards' tenant sets are read while the reader is busy."""
+OFFLINE_LOOK_MS = 10
+"""While interactive requests came recently, an idle worker waits on its interactive streams
+alone for this long at most, then looks at the offline streams again: offline work that
+arrives meanwhile waits this long (on a Redis with nothing else to do, up to its 100 ms
+clock, see ``TENANTS_NEW_MS``)."""
 TENANT_POLL_MS = 3
 """While the model is busy and a tenant is at its look-ahead cap, the others' streams are
 read in blocking reads this long, so that their next request joins the next step."""
@@ -278,19 +283,23 @@ class Reader:
                 await wait_event(self.room, block_ms / 1000)
                 return []
             streams = [*mine, *low] if offline else mine
+            n = min(count, offline) if offline else count
+            if offline < count and mine:
+                # Interactive requests came recently and the offline streams were empty a moment
+                # ago (the look above): XREADGROUP has one COUNT for every stream it reads, so
+                # a wait on both would take the particles of an SMC step that come together
+                # only up to the offline share, and a second read for the rest. The wait is on
+                # the own streams, briefly: then the offline ones are looked at again.
+                streams, n = mine, count
+                if offline:
+                    block_ms = min(block_ms, OFFLINE_LOOK_MS)
             if not streams:
                 await asyncio.sleep(block_ms / 1000)
                 return []
-            n = min(count, offline) if offline else count
             if self._tenanted(streams):  # what arrives first, a little of each
                 n = max(1, n // len(streams))
             reply = await self._xreadgroup(streams, n, block_ms)
-            got = sum(len(items) for _, items in reply or [])
-            if self._mark(reply) and got == n < count:
-                # XREADGROUP has one COUNT for every stream it reads: the offline cap may have
-                # held back interactive entries that came together (an SMC step's particles)
-                reply = [*reply, *(await self._xreadgroup(mine, count - got) or [])]
-                n = count
+            self._mark(reply)
             self._note_read(reply, n)
             return self.parse(reply)
         except ResponseError as e:
