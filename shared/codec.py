@@ -74,6 +74,14 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def encode_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
     """Wire form of ``tensor`` (cast to ``dtype`` if given, on its device, then moved to the
     CPU and made contiguous)."""
+    return b"".join(tensor_parts(tensor, dtype))
+
+
+def tensor_parts(
+    tensor: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[bytes, memoryview]:
+    """``encode_tensor``'s wire form in two parts, uncopied: the header, and the elements as a
+    byte view of the (cast, CPU, contiguous) tensor's own memory, which it keeps alive."""
     t = tensor.detach()
     if dtype is not None:
         t = cast(t, dtype)
@@ -87,7 +95,7 @@ def encode_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> byt
     head = _HEAD.pack(MAGIC, FORMAT, code, t.dim()) + dims.ljust(header_size(t.dim()) - 8, b"\0")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return b"".join((head, t.numpy().data))
+    return head, t.numpy().data.cast("B")
 
 
 def decode_tensor(data: bytes | bytearray | memoryview, widen: bool = True) -> torch.Tensor:

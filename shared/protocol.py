@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 import msgpack
 import torch
 
-from shared.codec import cast, decode_tensor, encode_tensor
+from shared.codec import cast, decode_tensor, encode_tensor, tensor_parts
 from shared.errors import LMPoolError, ProtocolError, WireError, error_from_wire
 
 PROTOCOL_VERSION = 2
@@ -145,13 +145,30 @@ def encode_result(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> byt
     return encode_tensor(tensor, dtype)
 
 
+Encoded = bytes | tuple[bytes, memoryview]
+"""An encoded result: its bytes, or (a worker's rows) the header and a view of the tensor's
+memory (``tensor_parts``), sent as one value without being joined (``shared.resp``)."""
+
+
+def wire_bytes(encoded: Encoded) -> bytes:
+    """The bytes of an encoded result (joined, if in parts)."""
+    return encoded if isinstance(encoded, bytes) else b"".join(encoded)
+
+
+def wire_len(encoded: Encoded) -> int:
+    """Its length in bytes."""
+    return len(encoded) if isinstance(encoded, bytes) else sum(len(p) for p in encoded)
+
+
 def encode_results(
     tensors: list[torch.Tensor], dtype: torch.dtype | None = None, one_copy: bool | None = None
-) -> list[bytes]:
-    """``encode_result`` of each of ``tensors``; a step's rows on an accelerator (same shape,
-    dtype and device) are stacked, cast and copied to the host together: one device-to-host
-    copy and one wait for the device per step instead of one per row. ``one_copy`` forces the
-    choice (tests); by default it is taken for tensors off the CPU, where rows need no copy."""
+) -> list[Encoded]:
+    """``encode_result`` of each of ``tensors``, in parts (``tensor_parts``: a step's 64 rows
+    are 12.5 MB, which a join would copy once more before the socket); a step's rows on an
+    accelerator (same shape, dtype and device) are stacked, cast and copied to the host
+    together: one device-to-host copy and one wait for the device per step instead of one per
+    row. ``one_copy`` forces the choice (tests); by default it is taken for tensors off the
+    CPU, where rows need no copy."""
     if not tensors:
         return []
     first = tensors[0]
@@ -162,10 +179,10 @@ def encode_results(
         for t in tensors
     )
     if not (one_copy and alike and len(tensors) > 1):
-        return [encode_tensor(t, dtype) for t in tensors]
+        return [tensor_parts(t, dtype) for t in tensors]
     stacked = torch.stack([t.detach() for t in tensors])
     host = (stacked if dtype is None else cast(stacked, dtype)).cpu()
-    return [encode_tensor(row) for row in host]
+    return [tensor_parts(row) for row in host]
 
 
 def decode_result(data: bytes | bytearray) -> torch.Tensor:
@@ -173,13 +190,15 @@ def decode_result(data: bytes | bytearray) -> torch.Tensor:
     return decode_tensor(data)
 
 
-def encode_reply(digest: str, result: bytes | None = None, error: WireError | None = None) -> bytes:
+def encode_reply(
+    digest: str, result: Encoded | None = None, error: WireError | None = None
+) -> bytes:
     """A reply: with an error, with a small result inline, or with neither (fetch it)."""
     reply: Reply = {"v": PROTOCOL_VERSION, "digest": digest}
     if error is not None:
         reply["error"] = error
-    elif result is not None and len(result) <= MAX_INLINE_RESULT_BYTES:
-        reply["result"] = result
+    elif result is not None and wire_len(result) <= MAX_INLINE_RESULT_BYTES:
+        reply["result"] = wire_bytes(result)
     return pack(reply)
 
 

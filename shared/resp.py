@@ -48,15 +48,29 @@ def pack(commands: Sequence[Sequence[Any]]) -> bytes:
     return b"".join(pack_parts(commands))
 
 
-def pack_parts(commands: Sequence[Sequence[Any]]) -> list[bytes | bytearray]:
+Piece = bytes | bytearray | memoryview
+
+
+def pack_parts(commands: Sequence[Sequence[Any]]) -> list[Piece]:
     """:func:`pack` in pieces: arguments of ``BIG_BULK`` or more stand alone, uncopied,
     between the joined runs of everything else (a worker's 64 rows are 12.5 MB: one join would
-    copy them all once more before the socket)."""
-    parts: list[bytes | bytearray] = []
-    run: list[bytes | bytearray] = []
+    copy them all once more before the socket). An argument may itself come in pieces, a tuple
+    of bytes and byte-format memoryviews (``shared.protocol.Encoded``): one bulk string."""
+    parts: list[Piece] = []
+    run: list[Piece] = []
     for args in commands:
         run.append(b"*%d\r\n" % len(args))
         for arg in args:
+            if isinstance(arg, tuple):
+                run.append(b"$%d\r\n" % sum(len(piece) for piece in arg))
+                for piece in arg:
+                    if len(piece) >= BIG_BULK:
+                        parts += [b"".join(run), piece]
+                        run = []
+                    else:
+                        run.append(piece)
+                run.append(b"\r\n")
+                continue
             if isinstance(arg, str):
                 arg = arg.encode()
             elif isinstance(arg, bool):

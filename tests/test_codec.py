@@ -242,15 +242,27 @@ def test_fuzz_tensor_decoder(head: bytes, tail: bytes) -> None:
 @pytest.mark.parametrize("wire", [None, torch.float32, torch.float16, torch.bfloat16])
 def test_a_steps_rows_encoded_together_as_one_by_one(wire: torch.dtype | None) -> None:
     """``encode_results``' one-copy path (taken for rows on a GPU) gives each row the bytes
-    that encoding it alone gives; rows of different shapes or dtypes go one by one."""
+    that encoding it alone gives; rows of different shapes or dtypes go one by one. Either
+    way a row comes in parts whose elements are not copied on the CPU: in float32 they are the
+    row's own memory."""
     g = torch.Generator().manual_seed(3)
     rows = list(torch.log_softmax(torch.randn(5, 1000, generator=g), -1))
     alone = [protocol.encode_result(r, wire) for r in rows]
-    assert protocol.encode_results(rows, wire, one_copy=True) == alone
-    assert protocol.encode_results(rows, wire) == alone
+
+    def joined(encoded: list[protocol.Encoded]) -> list[bytes]:
+        assert all(protocol.wire_len(e) == len(protocol.wire_bytes(e)) for e in encoded)
+        return [protocol.wire_bytes(e) for e in encoded]
+
+    assert joined(protocol.encode_results(rows, wire, one_copy=True)) == alone
+    assert joined(protocol.encode_results(rows, wire)) == alone
     mixed = [*rows, torch.arange(4)]
-    assert protocol.encode_results(mixed, wire, one_copy=True) == [
+    assert joined(protocol.encode_results(mixed, wire, one_copy=True)) == [
         *alone,
         protocol.encode_result(torch.arange(4), wire),
     ]
     assert protocol.encode_results([], wire, one_copy=True) == []
+    if wire in (None, torch.float32):
+        _, body = protocol.encode_results(rows, wire)[2]
+        assert isinstance(body, memoryview) and body.nbytes == 4000
+        rows[2][7] = 1.5  # the view sees the row's memory
+        assert body[28:32].tobytes() == rows[2][7:8].numpy().tobytes()

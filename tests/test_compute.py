@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.protocol import decode_result
+from shared.protocol import decode_result, wire_bytes, wire_len
 from shared.settings import Settings
 from worker.backends.base import Work
 from worker.backends.mock import MockBackend
@@ -82,7 +82,7 @@ class Harness:
             if job.error is None:
                 assert job.result is not None
                 want = self.backend._row([1, 2, int(job.digest, 16) % VOCAB], None)
-                assert torch.equal(decode_result(job.result), want)
+                assert torch.equal(decode_result(wire_bytes(job.result)), want)
 
 
 async def _nothing_to_claim() -> bool:
@@ -161,8 +161,9 @@ async def test_rows_go_in_the_wire_dtype_and_scores_as_they_are() -> None:
     await runner
     assert row.result is not None and score.result is not None
     want = h.backend._row([1, 2, 3], None)
-    assert torch.equal(decode_result(row.result), want.half().float())
-    assert len(row.result) < VOCAB * 4  # two bytes an element, not four
+    assert torch.equal(decode_result(wire_bytes(row.result)), want.half().float())
+    assert wire_len(row.result) < VOCAB * 4  # two bytes an element, not four
+    assert isinstance(score.result, bytes)
     assert torch.equal(decode_result(score.result), h.backend.score([1, 2], [3, 4], None))
 
 
@@ -248,7 +249,9 @@ async def test_a_steps_kv_stores_wait_until_its_answers_are_written(tmp_path: Pa
         for job, p in zip(finished, prompts, strict=True):
             assert job.result is not None
             want = reference.logprobs([p], None)[0]
-            torch.testing.assert_close(decode_result(job.result), want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                decode_result(wire_bytes(job.result)), want, atol=1e-5, rtol=0
+            )
 
     prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]]
     await step(prompts)

@@ -155,6 +155,18 @@ def test_big_arguments_are_sent_as_parts_of_their_own_uncopied() -> None:
     assert pack_parts([["GET", b"k" * (BIG_BULK - 1)]]) == [pack([["GET", b"k" * (BIG_BULK - 1)]])]
 
 
+def test_a_value_in_pieces_is_one_bulk_string_its_big_pieces_uncopied() -> None:
+    head, body = encode_tensor(torch.zeros(0))[:16], memoryview(bytearray(range(256)) * 400)
+    value = b"".join((head, body))
+    commands: list[list[Any]] = [
+        ["SET", "a", (head, body)],
+        ["SET", "b", (b"x", memoryview(b"yz"))],
+    ]
+    parts = pack_parts(commands)
+    assert b"".join(parts) == pack([["SET", "a", value], ["SET", "b", b"xyz"]])
+    assert sum(p is body for p in parts) == 1 and len(parts) == 3
+
+
 def test_tls_urls_are_left_to_redis_py() -> None:
     assert supported("redis://h:1/0") and supported("unix:///tmp/r.sock")
     assert not supported("rediss://h:1/0")

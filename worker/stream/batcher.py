@@ -50,8 +50,8 @@ class Job:
     entries: list[Entry]
     request: Request | None = None
     work: Work | None = None
-    result: bytes | None = None
-    """The encoded result, once computed."""
+    result: protocol.Encoded | None = None
+    """The encoded result, once computed (a row: in parts, ``protocol.encode_results``)."""
     error: WireError | None = None
     dead: str | None = None
     """Why its entries go to the dead-letter stream (None: they do not)."""

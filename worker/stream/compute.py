@@ -32,7 +32,7 @@ from typing import TypeVar
 from shared.aio import wait_event
 from shared.codec import torch_dtype
 from shared.errors import Expired, WorkerError
-from shared.protocol import encode_result, encode_results
+from shared.protocol import Encoded, encode_result, encode_results
 from shared.settings import Settings
 from worker.backends.base import Backend, EngineDead, Work
 from worker.stream.batcher import TRIAGE_AFTER_MS, Job
@@ -309,7 +309,7 @@ class Compute:
             self._settle(w, data.get(id(w)))
         return works
 
-    def _settle(self, work: Work, encoded: bytes | None = None) -> None:
+    def _settle(self, work: Work, encoded: Encoded | None = None) -> None:
         """The job's answer from its work: the error, or the result (``encoded`` already)."""
         job = work.tag
         if not isinstance(job, Job):

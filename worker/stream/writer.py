@@ -25,6 +25,7 @@ from typing import Any
 
 from shared import protocol
 from shared.keys import GROUP, Keys
+from shared.protocol import wire_bytes, wire_len
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
 from shared.resp import RespConnection
 from shared.resp import supported as resp_supported
@@ -133,7 +134,10 @@ class Writer:
                 for shard, members in unread.items():  # first: a SET is never left untracked
                     pipe.execute_command("ZADD", self.keys.due(self.model, shard), *members)
                 for job in new:
-                    pipe.set(self.keys.result(self.model, job.shard, job.digest), job.result)
+                    assert job.result is not None
+                    # in parts on our own connection (sent uncopied), joined for redis-py
+                    value = job.result if self.conn is not None else wire_bytes(job.result)
+                    pipe.set(self.keys.result(self.model, job.shard, job.digest), value)
                 for i in group:
                     job = jobs[i]
                     if job.digest:
@@ -236,7 +240,7 @@ def finish_groups(jobs: list[Job]) -> list[list[int]]:
             groups.append([])
             size = 0
         groups[-1].append(i)
-        size += len(job.result or b"")
+        size += wire_len(job.result) if job.result is not None else 0
     return groups
 
 
