@@ -215,6 +215,7 @@ async def test_a_steps_kv_stores_wait_until_its_answers_are_written(tmp_path: Pa
     from poolkit import build_tiny_llama
 
     from worker.backends.hf import HFBackend
+    from worker.backends.hf.kv_cache import DEFER_MIN_ROWS
 
     model = build_tiny_llama(tmp_path)
     backend = HFBackend(Settings(model=str(model), kv_cache_mb=4))
@@ -225,7 +226,7 @@ async def test_a_steps_kv_stores_wait_until_its_answers_are_written(tmp_path: Pa
         return None
 
     compute = Compute(
-        backend, Settings(max_batch=8), finished.extend, lambda w, s: None,
+        backend, Settings(max_batch=16), finished.extend, lambda w, s: None,
         lambda: time.time() * 1000, triage,
     )  # fmt: skip
     assert backend.settles_later and backend.kv_cache is not None
@@ -253,7 +254,7 @@ async def test_a_steps_kv_stores_wait_until_its_answers_are_written(tmp_path: Pa
                 decode_result(wire_bytes(job.result)), want, atol=1e-5, rtol=0
             )
 
-    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]]
+    prompts = [[1, 2, 3, 4, 5, i] for i in range(6, 6 + DEFER_MIN_ROWS)]  # a lone row: at once
     await step(prompts)
     assert backend.unsettled() and backend.kv_cache.bytes_used == 0  # answered, not stored
     compute.written()
@@ -266,7 +267,7 @@ async def test_a_steps_kv_stores_wait_until_its_answers_are_written(tmp_path: Pa
     await step(longer)
     computed = backend.kv_cache.tokens_computed
     await step([[*p, 10] for p in longer])
-    assert backend.kv_cache.tokens_computed - computed == 2
+    assert backend.kv_cache.tokens_computed - computed == DEFER_MIN_ROWS
     compute.written()
     await compute.settled()
     assert backend.kv_cache.measured_bytes() == backend.kv_cache.bytes_used

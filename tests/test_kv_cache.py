@@ -19,7 +19,12 @@ from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
 from worker.backends.hf import HFBackend, attention, kv_slots
-from worker.backends.hf.kv_cache import HEAD_MIN_TOKENS, SHARE_MIN_TOKENS, KVCache
+from worker.backends.hf.kv_cache import (
+    DEFER_MIN_ROWS,
+    HEAD_MIN_TOKENS,
+    SHARE_MIN_TOKENS,
+    KVCache,
+)
 from worker.backends.hf.kv_trie import GROW_MAX_TOKENS
 from worker.metrics import Metrics
 
@@ -89,13 +94,16 @@ def test_a_deferred_store_lands_with_settle_and_before_any_other_use(
     backend = make_backend(model_dir, 4)
     cache = cache_of(backend)
     rng = random.Random(17)
-    prompts = [tokens(rng, 30) for _ in range(3)]
+    n = DEFER_MIN_ROWS
+    prompts = [tokens(rng, 30) for _ in range(n)]
     size = cache.layout.token_bytes()
 
+    cache.last_logits(prompts[:1], defer=True)  # one row: stored at once (cheaper so)
+    assert not cache.unsettled and cache.bytes_used == 30 * size
     got = cache.last_logits(prompts, defer=True)
-    assert cache.unsettled and cache.bytes_used == 0 and cache.entries == 0
+    assert cache.unsettled and cache.bytes_used == 30 * size and cache.entries == 1
     cache.settle()
-    assert not cache.unsettled and cache.bytes_used == 90 * size
+    assert not cache.unsettled and cache.bytes_used == 30 * n * size
     assert cache.measured_bytes() == cache.bytes_used
 
     # left for later, then another call: it stores them first and reuses them
@@ -104,19 +112,22 @@ def test_a_deferred_store_lands_with_settle_and_before_any_other_use(
     assert cache.unsettled
     computed = cache.tokens_computed
     check(backend, reference, [p + tokens(rng, 1) for p in more])
-    assert cache.tokens_computed - computed == 3
+    assert cache.tokens_computed - computed == n
     assert not cache.unsettled
 
     # a budget cut, a pin, a drop: each settles first
-    cache.last_logits([prompts[0] + [1]], defer=True)
+    cache.last_logits([[*p, 1] for p in prompts], defer=True)
     assert cache.pin(prompts[1]) == 30 * size and not cache.unsettled
-    cache.last_logits([prompts[0] + [2]], defer=True)
+    cache.last_logits([[*p, 2] for p in prompts], defer=True)
+    cache.set_budget(cache.budget_bytes)
+    assert not cache.unsettled
+    cache.last_logits([[*p, 3] for p in prompts], defer=True)
     cache.drop(None)
     assert not cache.unsettled and cache.bytes_used == 0 and cache.arena.used_slots == 0
-    cache.last_logits([prompts[0]], defer=True)
+    cache.last_logits(prompts, defer=True)
     cache.clear()  # gives everything back, what was left for later too
     assert not cache.unsettled and cache.bytes_used == 0
-    assert torch.equal(got, cache.last_logits(prompts))
+    torch.testing.assert_close(got, cache.last_logits(prompts), atol=ATOL, rtol=0)
 
 
 def test_eager_attention_matches_plain_forward(model_dir: Path) -> None:

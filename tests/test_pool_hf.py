@@ -115,8 +115,9 @@ async def test_a_workers_kv_stores_land_once_its_answers_are_written(
     redis_url: str, workers: Callable[..., Any], tiny_llama: Path
 ) -> None:
     """A step's KV stores wait until its answers are written (then the worker does them while
-    the askers read): one request, nothing after it, and the worker's heartbeat soon counts
-    the prompt's positions in the cache."""
+    the askers read): 16 rows at once (the worker reads them in steps, the last of at least
+    ``DEFER_MIN_ROWS``), nothing after them, and its heartbeat soon counts all their
+    positions in the cache."""
     import json
 
     import redis
@@ -124,11 +125,11 @@ async def test_a_workers_kv_stores_land_once_its_answers_are_written(
     from shared.keys import Keys
     from worker.backends.hf.kv_slots import describe_model
 
-    workers(redis_url, model=str(tiny_llama), kv_cache_mb=16, heartbeat_s=0.05)
+    workers(redis_url, model=str(tiny_llama), kv_cache_mb=16, heartbeat_s=0.05, max_batch=16)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    want = 23 * describe_model(model).token_bytes()
+    want = 16 * 23 * describe_model(model).token_bytes()
     async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
-        await lm.next_token_logprobs(list(range(1, 24)))
+        await lm.batch_next_token_logprobs([[i, *range(1, 23)] for i in range(100, 116)])
     r = redis.Redis.from_url(redis_url)
     seen: list[int] = []
     deadline = time.monotonic() + 10

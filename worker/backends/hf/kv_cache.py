@@ -39,6 +39,10 @@ SHARE_MIN_TOKENS = 16
 PAD_WASTE = 2.0
 """A forward group's padded new tokens stay under ``PAD_WASTE`` x its real ones (plus slack)."""
 PAD_SLACK = 32
+DEFER_MIN_ROWS = 8
+"""A pass's stores are left for ``settle`` (``defer``) only when it has at least this many rows:
+a lone row's store takes tens of microseconds, less than handing it to the compute thread
+again after the write would cost the next request."""
 HEAD_MIN_TOKENS = 32
 """A cached prefix that every row of a pass shares is attended in place (not copied into each
 row's past) when at least this long and the model's attention can (``attention.NAME``)."""
@@ -111,8 +115,8 @@ class KVCache(KVTrie):
 
         The caller selects the adapter that ``namespace`` names before calling. ``defer``: a
         single pass leaves storing its new positions to :meth:`settle` (the worker calls it once
-        the answers are written, so they leave without waiting for it); any later call settles
-        first.
+        the answers are written, so they leave without waiting for it; ``DEFER_MIN_ROWS``); any
+        later call settles first.
         """
         rows = [tuple(p) for p in prompts]
         if not rows or not all(rows):
@@ -210,7 +214,8 @@ class KVCache(KVTrie):
         ``[len(rows), max(tails), vocab]`` right-aligned; stores their key/values on the way.
 
         ``count``: add the reused tokens to ``tokens_reused`` (requests, not internal passes).
-        ``defer``: when it is one pass, leave its stores (and the eviction) to ``settle``.
+        ``defer``: when it is one pass of ``DEFER_MIN_ROWS`` or more, leave its stores (and the
+        eviction) to ``settle``.
         """
         tails = tails or [1] * len(rows)
 
@@ -231,6 +236,7 @@ class KVCache(KVTrie):
         # Eviction waits for the last group: a later group's plans read slots that an eviction
         # would free for an earlier group's new positions.
         if len(groups) == 1:  # the usual case: one pass (the rows in their own order)
+            defer = defer and len(plans) >= DEFER_MIN_ROWS
             logits = self._forward(root, plans, defer)
             if not defer:
                 self._evict()
