@@ -41,9 +41,7 @@ TENANTS_REFRESH_S = 0.1
 """How often the shards' tenant sets are read while the reader is busy."""
 OFFLINE_LOOK_MS = 10
 """While interactive requests came recently, an idle worker waits on its interactive streams
-alone for this long at most, then looks at the offline streams again: offline work that
-arrives meanwhile waits this long (on a Redis with nothing else to do, up to its 100 ms
-clock, see ``TENANTS_NEW_MS``)."""
+alone this long, then looks at the offline ones again (up to Redis' 100 ms clock when idle)."""
 TENANT_POLL_MS = 3
 """While the model is busy and a tenant is at its look-ahead cap, the others' streams are
 read in blocking reads this long, so that their next request joins the next step."""
@@ -282,17 +280,16 @@ class Reader:
                     return self.parse(reply)
                 await wait_event(self.room, block_ms / 1000)
                 return []
-            streams = [*mine, *low] if offline else mine
-            n = min(count, offline) if offline else count
-            if offline < count and mine:
-                # Interactive requests came recently and the offline streams were empty a moment
-                # ago (the look above): XREADGROUP has one COUNT for every stream it reads, so
-                # a wait on both would take the particles of an SMC step that come together
-                # only up to the offline share, and a second read for the rest. The wait is on
-                # the own streams, briefly: then the offline ones are looked at again.
-                streams, n = mine, count
-                if offline:
-                    block_ms = min(block_ms, OFFLINE_LOOK_MS)
+            streams, n = mine, count
+            if offline >= count:
+                streams = [*mine, *low]
+            elif offline and mine:
+                # interactive requests came recently, the offline streams were empty just now:
+                # one COUNT (the offline share) for both would split an SMC step's particles
+                # over two reads, so the wait is on the own streams, briefly (OFFLINE_LOOK_MS)
+                block_ms = min(block_ms, OFFLINE_LOOK_MS)
+            elif offline:
+                streams, n = low, offline
             if not streams:
                 await asyncio.sleep(block_ms / 1000)
                 return []
@@ -423,21 +420,14 @@ class Reader:
 
     def entries_of(self, stream: str, items: Any) -> list[Entry]:
         name = self.keys.parse_stream(stream)
+        where = (name.shard, name.offline, name.tenant)
         out = []
         for entry_id, fields in items:
             fields = fields or {}
             digest = fields.get(protocol.DIGEST_FIELD)
-            out.append(
-                Entry(
-                    stream,
-                    _s(entry_id),
-                    fields.get(protocol.MESSAGE_FIELD),
-                    _s(digest) if digest is not None else None,
-                    name.shard,
-                    name.offline,
-                    name.tenant,
-                )
-            )
+            digest = _s(digest) if digest is not None else None
+            raw = fields.get(protocol.MESSAGE_FIELD)
+            out.append(Entry(stream, _s(entry_id), raw, digest, *where))
         return out
 
 
