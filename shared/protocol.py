@@ -140,9 +140,24 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
     return obj  # type: ignore[return-value]
 
 
+def sent_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
+    """The cast a result of ``dtype`` gets when rows go in ``wire``: none where it is a float no
+    wider than ``wire`` (a bfloat16 model's rows stay bfloat16 under the float32 default: the
+    same values once widened, in half the bytes), else to ``wire``."""
+    if (
+        wire is not None
+        and dtype.is_floating_point
+        and wire.is_floating_point
+        and dtype.itemsize <= wire.itemsize
+    ):
+        return None
+    return wire
+
+
 def encode_result(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
-    """Encoded result value: what the shared cache stores (rows optionally in ``dtype``)."""
-    return encode_tensor(tensor, dtype)
+    """Encoded result value: what the shared cache stores (rows in ``dtype`` at most: see
+    ``sent_dtype``)."""
+    return encode_tensor(tensor, sent_dtype(tensor.dtype, dtype))
 
 
 Encoded = bytes | tuple[bytes, memoryview]
@@ -179,9 +194,10 @@ def encode_results(
         for t in tensors
     )
     if not (one_copy and alike and len(tensors) > 1):
-        return [tensor_parts(t, dtype) for t in tensors]
+        return [tensor_parts(t, sent_dtype(t.dtype, dtype)) for t in tensors]
     stacked = torch.stack([t.detach() for t in tensors])
-    host = (stacked if dtype is None else cast(stacked, dtype)).cpu()
+    to = sent_dtype(first.dtype, dtype)
+    host = (stacked if to is None else cast(stacked, to)).cpu()
     return [tensor_parts(row) for row in host]
 
 

@@ -137,8 +137,9 @@ class Settings:
     max_message_bytes: int = 1_048_576
     """Largest request message a worker decodes (producers refuse larger ones before sending)."""
     wire_dtype: str = "float32"
-    """Worker: dtype of log-prob rows in Redis and on the wire: ``float32`` (exact),
-    ``float16`` or ``bfloat16`` (half the bytes). Callers always get float32."""
+    """Worker: widest dtype of log-prob rows in Redis and on the wire: ``float32`` (exact),
+    ``float16`` or ``bfloat16`` (half the bytes). Rows a 16-bit model computed go in their own
+    dtype (exact). Callers always get float32."""
     max_lora_mb: int = 256
     """Largest LoRA adapter (all its files) ``add_new_lora`` uploads to the pool."""
     mock_vocab_size: int = 256

@@ -52,6 +52,31 @@ def test_half_rows_come_back_as_float32_within_their_precision(wire: torch.dtype
     assert torch.equal(back, t.to(wire).float())
 
 
+@pytest.mark.parametrize("row", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wire", [None, torch.float32, torch.float16, torch.bfloat16])
+def test_a_half_models_rows_go_as_they_are_and_come_back_the_same(
+    row: torch.dtype, wire: torch.dtype | None
+) -> None:
+    """Rows a 16-bit model computed (the hf and vLLM backends hand rows over in the model's
+    dtype) are sent in it whatever the wire dtype: widened to float32 they are the values the
+    float32 wire carried, in half the bytes; a float32 row is cast to a narrower wire dtype."""
+    g = torch.Generator().manual_seed(5)
+    rows = list(torch.log_softmax(torch.randn(3, 49152, generator=g) * 3, -1).to(row))
+    for one_copy in (False, True):
+        encoded = protocol.encode_results(rows, wire, one_copy=one_copy)
+        for r, e in zip(rows, encoded, strict=True):
+            data = protocol.wire_bytes(e)
+            assert len(data) < 49152 * 2 + 64
+            back = protocol.decode_result(data)
+            assert back.dtype == torch.float32
+            assert torch.equal(back, r.float())
+            assert data == protocol.encode_result(r, wire)
+    assert protocol.sent_dtype(row, wire) is None
+    narrower = wire in (torch.float16, torch.bfloat16)
+    assert protocol.sent_dtype(torch.float32, wire) is (wire if narrower else None)
+    assert protocol.sent_dtype(torch.int64, wire) is wire  # only floats keep their own dtype
+
+
 def test_decoded_tensor_is_writable_and_independent() -> None:
     t = torch.arange(4, dtype=torch.float32)
     wire = encode_tensor(t)

@@ -140,3 +140,30 @@ async def test_a_workers_kv_stores_land_once_its_answers_are_written(
         await asyncio.sleep(0.05)
     r.close()
     assert seen and seen[-1] == want, f"bytes_used seen: {sorted(set(seen))}, want {want}"
+
+
+@pytest.mark.asyncio
+async def test_a_bfloat16_models_rows_go_in_half_the_bytes_and_arrive_as_computed(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path
+) -> None:
+    """A model run in bfloat16 hands its rows over in bfloat16; under the default float32 wire
+    dtype they are cached and sent as they are (2 bytes a token, not 4) and arrive as float32
+    holding exactly those values, within bfloat16's precision of a float32 forward."""
+    import redis
+
+    from shared.keys import Keys
+
+    workers(redis_url, model=str(tiny_llama), dtype="bfloat16", kv_cache_mb=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        got = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+    for row, p in zip(got, prompts, strict=True):
+        assert row.dtype == torch.float32
+        assert torch.equal(row, row.to(torch.bfloat16).float())  # bfloat16 values, unchanged
+        assert (row - reference_logprobs(model, p)).abs().max().item() <= 0.1
+    r = redis.Redis.from_url(redis_url)
+    sizes = [int(r.strlen(k)) for k in r.scan_iter(Keys().results(str(tiny_llama)))]  # type: ignore[arg-type]
+    r.close()
+    assert len(sizes) == len(prompts)
+    assert all(2 * 320 < n < 2 * 320 + 64 for n in sizes), sizes  # float32 would be 1280+
