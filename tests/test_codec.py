@@ -52,6 +52,19 @@ def test_half_rows_come_back_as_float32_within_their_precision(wire: torch.dtype
     assert torch.equal(back, t.to(wire).float())
 
 
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_half_specials_widen_exactly(wire: torch.dtype) -> None:
+    """Infinities, signed zeros, NaN and subnormals survive the widening, from bytes (a copy)
+    as from a receive buffer."""
+    t = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3.5, 6e4])
+    half = t.to(wire)
+    for data in (encode_tensor(half), bytearray(encode_tensor(half))):
+        back = decode_tensor(data)
+        assert back.dtype == torch.float32
+        assert torch.equal(back.nan_to_num(7.0), half.float().nan_to_num(7.0))
+        assert torch.equal(back.signbit(), half.float().signbit())
+
+
 @pytest.mark.parametrize("row", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("wire", [None, torch.float32, torch.float16, torch.bfloat16])
 def test_a_half_models_rows_go_as_they_are_and_come_back_the_same(
