@@ -115,15 +115,39 @@ class _Protocol(asyncio.BufferedProtocol):
         self.lost: BaseException | None = None
         self.closed = asyncio.Event()
         """Set once the socket is closed."""
+        self.writable = asyncio.Event()
+        """Clear while the transport holds unsent data (``write``)."""
+        self.writable.set()
 
     # -- asyncio's side ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        # paused as soon as anything waits unsent: see ``write``
+        transport.set_write_buffer_limits(high=0, low=0)
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    async def write(self, pieces: list[Piece]) -> None:
+        """Each piece to the socket once the one before has gone: asyncio's transport copies
+        what the socket does not take at once into a buffer of its own (before Python 3.12),
+        which for a worker's 12.5 MB of rows would be most of them."""
+        assert self.transport is not None
+        for piece in pieces:
+            if not self.writable.is_set():
+                await self.writable.wait()
+            if self.lost is not None:
+                raise self.lost
+            self.transport.write(piece)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = RedisConnectionError(f"connection to Redis lost: {exc!r}")
         self.closed.set()
+        self.writable.set()
         self._finish(self.lost)
 
     def eof_received(self) -> bool:
@@ -329,10 +353,8 @@ class RespConnection:
         done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         proto.done, proto.expected = done, len(commands)
         try:
-            assert proto.transport is not None
-            for part in pack_parts(commands):
-                proto.transport.write(part)
             async with asyncio.timeout(timeout_s):
+                await proto.write(pack_parts(commands))
                 return await done
         except TimeoutError:
             self.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -207,6 +209,59 @@ async def test_a_pipeline_on_a_real_redis_matches_redis_py(redis_url: str) -> No
     finally:
         conn.close()
         r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_big_pipeline_leaves_piece_by_piece_and_asyncio_holds_at_most_one(
+    redis_url: str,
+) -> None:
+    """A worker's write of 64 rows (12.5 MB) goes to the socket a piece at a time, each once
+    the one before has gone: asyncio's transport, which copies what the socket does not take
+    at once, never holds more than one piece (before: most of the 12.5 MB)."""
+    rows = [encode_tensor(torch.full((49_152,), float(i))) for i in range(64)]
+    conn = RespConnection(redis_url)
+    try:
+        assert await conn.execute([["PING"]], 5) == [b"PONG"]
+        transport = conn._protocol.transport  # type: ignore[union-attr]
+        assert transport is not None
+        held: list[int] = []
+        write = transport.write
+
+        def recording(data: bytes | bytearray | memoryview) -> None:
+            write(data)
+            held.append(transport.get_write_buffer_size())
+
+        transport.write = recording  # type: ignore[method-assign]
+        sets = [["SET", f"resp:big:{i}", row] for i, row in enumerate(rows)]
+        assert await conn.execute(sets, 10) == [b"OK"] * 64
+        assert len(held) >= 64 and max(held) <= max(map(len, rows)) + 64, max(held)
+        r = redis.Redis.from_url(redis_url)
+        assert [r.get(f"resp:big:{i}") for i in (0, 31, 63)] == [rows[0], rows[31], rows[63]]
+        r.close()
+    finally:
+        conn.close()
+
+
+@pytest.mark.asyncio
+async def test_a_write_to_a_stopped_server_times_out_and_the_next_call_reconnects() -> None:
+    """A server that stops reading mid-write (stopped: the socket's buffers fill) fails the
+    call at its timeout, not later; the connection is dropped (half a command was sent) and the
+    next call, once the server runs again, connects anew."""
+    rows = [encode_tensor(torch.randn(49_152)) for _ in range(64)]
+    with RedisServer() as server:
+        conn = RespConnection(server.url)
+        assert await conn.execute([["PING"]], 5) == [b"PONG"]
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RedisTimeoutError):
+                await conn.execute([["SET", f"k{i}", row] for i, row in enumerate(rows)], 0.5)
+            assert time.monotonic() - started < 2.0
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert await conn.execute([["SET", "k", rows[0]], ["GET", "k"]], 5) == [b"OK", rows[0]]
+        conn.close()
 
 
 @pytest.mark.asyncio
