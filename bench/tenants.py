@@ -165,10 +165,13 @@ async def lone_beside_flood(url: str, args: argparse.Namespace, report: Report) 
         f"target: B's p50 beside A's {args.flood} in flight <= 1.5x B alone: {ratio:.2f}x -> "
         f"{'met' if ratio <= 1.5 else 'NOT met'}"
     )
+    floor_s = 2 * step_s
     report.line(
-        f"   the worker's step during A's flood: {1000 * step_s:.2f} ms (a full batch); a request "
-        f"arriving mid-step waits for that step's end, then runs in the next: B's floor beside "
-        f"the flood is about 1.5 steps = {1.5 * 1000 * step_s:.1f} ms plus the round trip"
+        f"   the worker's step during A's flood: {1000 * step_s:.2f} ms (a full batch). B asks "
+        f"again as soon as its answer arrives, and the worker began its next step (of A's rows) "
+        f"when it handed that answer over: B's request waits all of that step, then runs in the "
+        f"next. B's floor beside the flood, for a worker that never idles while A has work: "
+        f"about 2 steps = {1000 * floor_s:.1f} ms ({floor_s / anchor:.2f}x B alone)"
     )
 
 
