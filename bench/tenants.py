@@ -207,8 +207,8 @@ async def throughput(url: str, args: argparse.Namespace, report: Report) -> None
     try:
         lm = await pool.lm("")
         await lm.close()
-        for _ in range(args.rounds):
-            for tenants in (True, False):
+        for i in range(args.rounds):
+            for tenants in (True, False) if i % 2 == 0 else (False, True):  # drift cancels
                 name = "a" if tenants else ""
                 pool.flood(name, args.flood, args.seed + 4)
                 await pool.backlog(name, args.flood // 2)
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16, help="tokens per prompt")
     parser.add_argument("--max-batch", type=int, default=16, help="LMPOOL_MAX_BATCH")
     parser.add_argument("--window-s", type=float, default=4.0, help="measured seconds")
-    parser.add_argument("--rounds", type=int, default=2, help="tenant on/off alternations")
+    parser.add_argument("--rounds", type=int, default=4, help="tenant on/off alternations")
     parser.add_argument(
         "--phases", default="lone,weights,throughput,quota", help="which, comma-separated"
     )
