@@ -61,35 +61,32 @@ def pack_parts(commands: Sequence[Sequence[Any]]) -> list[Piece]:
     for args in commands:
         run.append(b"*%d\r\n" % len(args))
         for arg in args:
-            if isinstance(arg, tuple):
-                run.append(b"$%d\r\n" % sum(len(piece) for piece in arg))
-                for piece in arg:
-                    if len(piece) >= BIG_BULK:
-                        parts += [b"".join(run), piece]
-                        run = []
-                    else:
-                        run.append(piece)
-                run.append(b"\r\n")
-                continue
-            if isinstance(arg, str):
-                arg = arg.encode()
-            elif isinstance(arg, bool):
-                raise TypeError("cannot send a bool to Redis: send an int or a string")
-            elif isinstance(arg, (int, float)):
-                arg = repr(arg).encode()
-            elif isinstance(arg, memoryview):
-                arg = arg.tobytes()  # its length in bytes, whatever its format
-            elif not isinstance(arg, (bytes, bytearray)):
-                raise TypeError(f"cannot send {type(arg).__name__} to Redis")
-            run.append(b"$%d\r\n" % len(arg))
-            if len(arg) >= BIG_BULK:
-                parts += [b"".join(run), arg]
-                run = []
-            else:
-                run.append(arg)  # the join below is its only copy
+            pieces = arg if isinstance(arg, tuple) else (_bulk(arg),)
+            run.append(b"$%d\r\n" % sum(len(piece) for piece in pieces))
+            for piece in pieces:
+                if len(piece) >= BIG_BULK:
+                    parts += [b"".join(run), piece]
+                    run = []
+                else:
+                    run.append(piece)  # the join below is its only copy
             run.append(b"\r\n")
     parts.append(b"".join(run))
     return parts
+
+
+def _bulk(arg: Any) -> Piece:
+    """One argument's bytes (bytes, str, int or float)."""
+    if isinstance(arg, (bytes, bytearray)):
+        return arg
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, bool):
+        raise TypeError("cannot send a bool to Redis: send an int or a string")
+    if isinstance(arg, (int, float)):
+        return repr(arg).encode()
+    if isinstance(arg, memoryview):
+        return arg.tobytes()  # its length in bytes, whatever its format
+    raise TypeError(f"cannot send {type(arg).__name__} to Redis")
 
 
 class _Protocol(asyncio.BufferedProtocol):
