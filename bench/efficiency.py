@@ -35,7 +35,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import benchkit
 import random_model
@@ -51,17 +51,6 @@ VOCAB = 49_152
 
 
 # -- the workload, shared by both sides --------------------------------------------------------
-def draw(rows: torch.Tensor, gen: torch.Generator) -> list[int]:
-    """One token per row of log-probs ``[N, V]`` by inverse CDF, batched.
-
-    ``torch.multinomial`` over 64 rows of 49,152 took 63 ms on this machine's CPU, as long as
-    the whole bare step: with it, the sampler would set both sides' pace and flatter the pool.
-    """
-    cdf = rows.float().exp().cumsum(-1)
-    u = torch.rand((rows.shape[0], 1), generator=gen) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u)[:, 0].clamp(max=rows.shape[1] - 1).tolist()
-
-
 def resample(rng: random.Random, n: int, shuffled: bool) -> list[int]:
     """Which particles survive a resampling step (with duplicates), in index order unless
     ``shuffled``."""
@@ -111,7 +100,7 @@ def bare_smc(model: Any, args: argparse.Namespace, seed: int) -> tuple[int, floa
         rows = torch.log_softmax(out.logits[:, -1].float(), -1).expand(n, -1).cpu()
         rows_out += n
         for step in range(args.steps - 1):
-            tokens = torch.tensor(draw(rows, gen), device=device)[:, None]
+            tokens = torch.tensor(benchkit.draw(rows, gen), device=device)[:, None]
             out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
             rows = torch.log_softmax(out.logits[:, -1].float(), -1).cpu()
             rows_out += n
@@ -183,7 +172,7 @@ async def pool_smc(lm: Any, args: argparse.Namespace, seed: int) -> tuple[int, f
         rows_out += n
         if step == args.steps - 1:
             break
-        seqs = [[*s, t] for s, t in zip(seqs, draw(rows, gen), strict=True)]
+        seqs = [[*s, t] for s, t in zip(seqs, benchkit.draw(rows, gen), strict=True)]
         if resampling(step, args):
             seqs = [list(seqs[i]) for i in resample(rng, n, args.shuffled)]
     return rows_out, time.perf_counter() - started
@@ -198,19 +187,6 @@ async def pool_genlm(lm: Any, args: argparse.Namespace) -> tuple[int, float]:
             rows_out += len(prompts)
             seconds += time.perf_counter() - started
     return rows_out, seconds
-
-
-def kv_totals(url: str) -> dict[str, int]:
-    import json
-
-    r = redis.Redis.from_url(url)
-    totals: dict[str, int] = {}
-    for key in r.scan_iter(KEYS.worker_pattern()):
-        raw = cast("bytes | None", r.hget(key, "kv"))
-        for k, v in (json.loads(raw) if raw else {}).items():
-            totals[k] = totals.get(k, 0) + int(v)
-    r.close()
-    return totals
 
 
 async def pool_side(
@@ -255,7 +231,7 @@ async def pool_side(
         finally:
             await lm.close()
         await asyncio.sleep(1.0)  # two heartbeats: the KV counters are final
-        out["kv"] = kv_totals(url)
+        out["kv"] = benchkit.kv_totals(url)
     finally:
         worker.stop()
     return out

@@ -49,7 +49,7 @@ async def smc(lm: Any, prompt: list[int], particles: int, steps: int, affinity: 
         rows = await asyncio.gather(*(lm.next_token_logprobs(s, affinity=affinity) for s in seqs))
         requests += len(seqs)
         tokens += sum(map(len, seqs))
-        drawn = [int(torch.multinomial(r.float().exp(), 1, generator=gen)) for r in rows]
+        drawn = benchkit.draw(torch.stack(rows), gen)
         seqs = [[*s, t] for s, t in zip(seqs, drawn, strict=True)]
         if step % 4 == 3:  # resampling duplicates some particles, drops others
             seqs = [list(seqs[i]) for i in sorted(rng.choices(range(particles), k=particles))]
@@ -59,23 +59,9 @@ async def smc(lm: Any, prompt: list[int], particles: int, steps: int, affinity: 
 KEYS = Keys()
 
 
-def kv_totals(url: str) -> dict[str, int]:
-    """Sum of the KV counters in every live worker's heartbeat."""
-    import json
-
-    r = redis.Redis.from_url(url)
-    totals: dict[str, int] = {}
-    for key in r.scan_iter(KEYS.worker_pattern()):
-        raw = cast("bytes | None", r.hget(key, "kv"))
-        for k, v in (json.loads(raw) if raw else {}).items():
-            totals[k] = totals.get(k, 0) + int(v)
-    r.close()
-    return totals
-
-
 async def settle(url: str, seconds: float = 1.0) -> dict[str, int]:
     await asyncio.sleep(seconds)  # two heartbeats: the counters are final
-    return kv_totals(url)
+    return benchkit.kv_totals(url)
 
 
 MODEL = Settings.from_env()

@@ -69,7 +69,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
                         rows, seconds = rows + n, seconds + s
                         await asyncio.sleep(0.6)  # the heartbeat after the run: KV counters
                         rss.append(poolbench.rss_mib(worker.pid))
-                        kv.append(efficiency.kv_totals(server.url).get("bytes_used", 0) / MIB)
+                        kv.append(benchkit.kv_totals(server.url).get("bytes_used", 0) / MIB)
                 finally:
                     await lm.close()
             finally:
