@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from poolkit import build_tiny_llama, smc_batches
@@ -19,6 +20,7 @@ from transformers import LlamaForCausalLM
 
 from shared.settings import Settings
 from worker.backends.hf import HFBackend, attention, kv_slots
+from worker.backends.hf.kv_buffers import PassBuffers
 from worker.backends.hf.kv_cache import (
     DEFER_MIN_ROWS,
     HEAD_MIN_TOKENS,
@@ -443,7 +445,7 @@ def test_a_step_costs_the_same_tensor_operations_for_8_particles_as_for_64(
 ) -> None:
     """The cache's work per SMC step does not grow with the particles: the pasts are read, and
     the new positions written, in a fixed number of tensor operations for all rows (one arena
-    read and one write a side), so a step of 64 particles calls exactly as many torch
+    gather and one write a side), so a step of 64 particles calls exactly as many torch
     operations as a step of 8, the model's included."""
     counts = {}
     for n in (8, 64):
@@ -502,24 +504,76 @@ def test_an_arena_at_its_cap_stores_what_fits_and_stays_exact(
     assert cache.measured_bytes() == cache.bytes_used > 0
 
 
-def test_a_read_too_big_for_one_part_goes_in_parts(
+def test_the_arena_gathers_every_vector_of_a_pass_into_its_place() -> None:
+    """``SlotArena.gather``: position ``t`` of row ``r`` in layer ``l``, head ``h`` of the
+    buffers holds slot ``slots[r, t]``'s vector of that layer and head (the zero slot's zeros
+    where it is named), for keys and values of different widths."""
+    layout = kv_slots.Layout(3, 2, 4, 5, torch.float32, torch.device("cpu"))
+    arena = kv_slots.SlotArena(layout)
+    arena.set_budget(1 << 20)
+    got = arena.alloc(12)
+    assert got is not None
+    keys = torch.randn(12, 3, 2, 4)
+    values = torch.randn(12, 3, 2, 5)
+    arena.write(got, keys, values)
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, 12, size=(4, 7))
+    slots = got[picks]
+    slots[1, 5:] = kv_slots.ZERO_SLOT
+    buf_k, buf_v = torch.full((3, 4, 2, 7, 4), float("nan")), torch.full((3, 4, 2, 7, 5), 7.0)
+    arena.gather(slots, buf_k, buf_v)
+    for r in range(4):
+        for t in range(7):
+            named = r == 1 and t >= 5
+            want_k = torch.zeros(3, 2, 4) if named else keys[picks[r, t]]
+            want_v = torch.zeros(3, 2, 5) if named else values[picks[r, t]]
+            assert torch.equal(buf_k[:, r, :, t], want_k), (r, t)
+            assert torch.equal(buf_v[:, r, :, t], want_v), (r, t)
+    with pytest.raises(ValueError, match="do not fit"):
+        arena.gather(slots, buf_k[:, :3].contiguous(), buf_v[:, :3].contiguous())
+    with pytest.raises(ValueError, match="do not fit"):
+        arena.gather(slots, buf_k.transpose(3, 4), buf_v)
+
+
+def test_a_pass_reads_its_rows_pasts_in_one_gather_a_pass(
     model_dir: Path, reference: HFBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reads of many rows' pasts are split to keep their scratch memory within
-    ``kv_slots.READ_BYTES``: here two rows a part, with the same answers."""
+    """Lone rows and batches alike fill their buffers with one ``gather``, with the same
+    answers; nothing else reads the arena (no scratch copy in between)."""
     backend = make_backend(model_dir, 4)
     cache = cache_of(backend)
+    gathers: list[tuple[int, int]] = []
+    gather = cache.arena.gather
+
+    def counted(slots: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        gathers.append(slots.shape)
+        gather(slots, keys, values)
+
+    def no_read(slots: Any) -> Any:
+        raise AssertionError("the pasts were read outside gather")
+
+    monkeypatch.setattr(cache.arena, "gather", counted)
+    monkeypatch.setattr(cache.arena, "read", no_read)
     batches = list(smc_batches(VOCAB, seed=15, prefix=20, steps=4))
-    width = max(map(len, batches[-1]))
-    monkeypatch.setattr(kv_slots, "READ_BYTES", 2 * width * cache.arena.slot_bytes)
-    reads: list[int] = []
-    read = cache.arena.read
-
-    def counted(slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        reads.append(len(slots))
-        return read(slots)
-
-    monkeypatch.setattr(cache.arena, "read", counted)
     for batch in batches:
         check(backend, reference, batch)
-    assert reads and max(reads) <= 2 and len(reads) > len(batches)
+        before = len(gathers)
+        check(backend, reference, [[*batch[0], 5]])  # a lone row one token on
+        assert len(gathers) == before + 1 and gathers[-1][0] == 1
+    assert max(rows for rows, _ in gathers) > 1  # batches too, not only lone rows
+
+
+def test_pass_buffers_grow_by_half_so_a_growing_smc_run_keeps_its_memory() -> None:
+    """An SMC step's pasts are one position longer than the last step's: the buffers' memory
+    grows by half when it must, instead of fresh memory (every page faulted in again) at every
+    step; the views handed out have the shapes asked for."""
+    buffers = PassBuffers(torch.device("cpu"), torch.float32)
+    sizes = set()
+    for width in range(10, 31):
+        keys, values = buffers.take((2, 4, 3, width), 8, 6)
+        assert keys.shape == (2, 4, 3, width, 8) and values.shape == (2, 4, 3, width, 6)
+        assert keys.is_contiguous() and values.is_contiguous()
+        assert keys.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+        sizes.add(keys.untyped_storage().nbytes())
+    # 10, 15, 22 and 33 positions' worth: 4 allocations, not 21
+    assert len(sizes) == 4

@@ -15,8 +15,8 @@ class PassBuffers:
     between passes: memory fresh from the system for every pass (hundreds of MB for 64
     particles) cost a page fault per 4 KB at its first write, 187 ms against 29 ms for the copy
     into reused memory at SmolLM2-135M's shape (docs/performance.md). It is a pass's peak memory
-    anyway; kept, the process holds it between passes too. On a GPU, torch's caching allocator
-    reuses memory itself."""
+    anyway (and up to half more: it grows by half when a pass needs more); kept, the process
+    holds it between passes too. On a GPU, torch's caching allocator reuses memory itself."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
@@ -33,10 +33,15 @@ class PassBuffers:
                 torch.empty((*shape, key_dim), dtype=self.dtype, device=self.device),
                 torch.empty((*shape, value_dim), dtype=self.dtype, device=self.device),
             )
-        if self._scratch is None or self._scratch.numel() < n_k + n_v:
+        have = 0 if self._scratch is None else self._scratch.numel()
+        if have < n_k + n_v:
+            # grown by half at least: an SMC step's pasts are one position longer than the
+            # last step's, and fresh memory at every step faulted all of it in again
+            size = max(n_k + n_v, have * 3 // 2)
             self._scratch = None  # the old storage goes first: one at a time
-            self._scratch = torch.empty(n_k + n_v, dtype=self.dtype)
+            self._scratch = torch.empty(size, dtype=self.dtype)
         flat = self._scratch
+        assert flat is not None
         keys = flat[:n_k].view(*shape, key_dim)
         return keys, flat[n_k : n_k + n_v].view(*shape, value_dim)
 

@@ -413,23 +413,12 @@ class KVCache(KVTrie):
         width = past - head
         if width <= 0:
             return
-        index = np.full((len(plans), width), ZERO_SLOT, dtype=np.int64)
+        # the new positions too (zeros, then the forward's): the buffers are filled in one copy
+        index = np.full((len(plans), buf_k.shape[3]), ZERO_SLOT, dtype=np.int64)
         for i, p in enumerate(plans):
             if p.cached > head:
                 index[i, : p.cached - head] = p.slots[head:]
-        if len(plans) == 1 and buf_k.device.type == "cpu":
-            # a lone row (one researcher's request) is read straight into its buffer: on the
-            # CPU index_select writes through the permuted view, one copy instead of two
-            row_k, row_v = buf_k[:, 0, :, :width], buf_v[:, 0, :, :width]
-            self.arena.read_into(index[0], row_k.permute(2, 0, 1, 3), row_v.permute(2, 0, 1, 3))
-            return
-        # in as few reads as keep each one's memory within the arena's READ_BYTES (one for an
-        # SMC step's own pasts)
-        step = self.arena.rows_per_read(width)
-        for lo in range(0, len(plans), step):
-            keys, values = self.arena.read(index[lo : lo + step])  # [rows, width, layers, ...]
-            buf_k[:, lo : lo + step, :, :width] = keys.permute(2, 0, 3, 1, 4)
-            buf_v[:, lo : lo + step, :, :width] = values.permute(2, 0, 3, 1, 4)
+        self.arena.gather(index, buf_k, buf_v)
 
 
 def _groups(plans: list[_Plan]) -> list[list[_Plan]]:

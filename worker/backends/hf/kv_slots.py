@@ -4,11 +4,11 @@ model's key/value layout it is shaped by (``describe_model``).
 Every cached position is one *slot*: a row of ``keys`` (``[slots, layers, kv_heads, key_dim]``)
 and the same row of ``values``. A trie node holds the slot numbers of its positions, not tensors
 of its own, so that the cache's work per step is a handful of tensor operations whatever the
-number of rows: the pasts of a pass are read with one ``index_select`` per side for all rows and
-layers, a pass's new positions are written with one ``index_copy_`` per side, and splitting,
-growing or duplicating a sequence moves slot numbers, never key/values. Slot 0 holds zeros, the
-filler of a short row's past (never handed out: masked positions get weight 0, and 0 x NaN from
-uninitialized memory would poison the row).
+number of rows: the pasts of a pass are read into its buffers with one ``index_select`` per
+side for all rows and layers, a pass's new positions are written with one ``index_copy_`` per
+side, and splitting, growing or duplicating a sequence moves slot numbers, never key/values.
+Slot 0 holds zeros, the filler of a short row's past (never handed out: masked positions get
+weight 0, and 0 x NaN from uninitialized memory would poison the row).
 
 The arena grows by doubling up to ``max_slots`` (the budget, and a quarter more for a pass's new
 positions before the trie evicts); freed slots are reused last-freed first. ``release`` gives
@@ -31,8 +31,6 @@ GROW_FIRST = 1024
 """Slots of the first allocation (or fewer, if the cap is lower)."""
 SLACK = 0.25
 """Slots past the budget the arena may take for one pass's new positions before eviction."""
-READ_BYTES = 64 << 20
-"""A read of many rows' pasts goes in parts of at most this many bytes (the CPU's scratch)."""
 
 
 class UnsupportedModel(Exception):
@@ -112,6 +110,8 @@ class SlotArena:
         self._free = np.empty(0, dtype=np.int64)
         self._nfree = 0
         self._scratch = torch.empty(0, dtype=self.dtype)
+        self._vectors: torch.Tensor | None = None
+        """``layer * kv_heads + head`` for every layer and head, as ``gather`` adds it."""
 
     def set_budget(self, budget_bytes: int) -> None:
         """Cap the slots at the budget's worth and ``SLACK`` more."""
@@ -125,10 +125,6 @@ class SlotArena:
     @property
     def used_slots(self) -> int:
         return self.capacity - self._nfree
-
-    def rows_per_read(self, width: int) -> int:
-        """How many rows of ``width`` slots one ``read`` takes within ``READ_BYTES``."""
-        return max(1, READ_BYTES // max(1, width * self.slot_bytes))
 
     def alloc(self, n: int) -> np.ndarray | None:
         """``n`` free slot numbers, or None when the cap leaves fewer."""
@@ -148,6 +144,33 @@ class SlotArena:
         index = torch.from_numpy(slots).to(self.device)
         self.keys.index_copy_(0, index, keys.to(self.dtype))
         self.values.index_copy_(0, index, values.to(self.dtype))
+
+    def gather(self, slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the keys and values of ``slots`` (``[rows, T]``) into a pass's buffers ``keys``
+        / ``values`` (contiguous, ``[layers, rows, kv_heads, T, dim]``), one ``index_select`` a
+        side: each ``dim``-long vector is read from its slot and written in the buffers' own
+        order, with no memory in between (a read in the arena's order and a permuted copy
+        moved every byte twice: 14.3 against 9.9 ms a side for 64 rows of 28 positions at
+        SmolLM2-135M's shape, one thread)."""
+        layers, heads = self.shape_k[0], self.shape_k[1]
+        rows, width = slots.shape
+        if tuple(keys.shape[:4]) != (layers, rows, heads, width) or not (
+            keys.is_contiguous() and values.is_contiguous()
+        ):
+            raise ValueError(f"buffers of shape {tuple(keys.shape)} do not fit slots {slots.shape}")
+        if self._vectors is None or self._vectors.device != self.device:
+            self._vectors = torch.arange(layers * heads, device=self.device).view(
+                layers, 1, heads, 1
+            )
+        first = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
+        # vector (slot, layer, head) of the arena viewed as [slots * layers * heads, dim]
+        index = (first.view(1, rows, 1, width) * (layers * heads) + self._vectors).view(-1)
+        torch.index_select(
+            self.keys.view(-1, self.shape_k[2]), 0, index, out=keys.view(-1, self.shape_k[2])
+        )
+        torch.index_select(
+            self.values.view(-1, self.shape_v[2]), 0, index, out=values.view(-1, self.shape_v[2])
+        )
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of ``slots`` (any shape ``S``): ``[*S, layers, kv_heads, dim]``,
