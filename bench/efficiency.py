@@ -388,6 +388,19 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         )
 
 
+def workload_args(parser: argparse.ArgumentParser) -> None:
+    """The SMC workload's options (``pool_smc`` reads them), for this bench and others that run
+    the same loop (``bench/worker_memory.py``)."""
+    parser.add_argument("--particles", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--resample-every", type=int, default=4, help="SMC: steps a resampling")
+    parser.add_argument(
+        "--shuffled", action="store_true", help="SMC: survivors in the order drawn, not sorted"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -398,18 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--backend", choices=("hf", "vllm", "sglang"), default="hf")
     parser.add_argument("--shapes", default="smc,genlm", help="smc, genlm or both")
-    parser.add_argument("--particles", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--resample-every", type=int, default=4, help="SMC: steps a resampling")
-    parser.add_argument(
-        "--shuffled", action="store_true", help="SMC: survivors in the order drawn, not sorted"
-    )
+    workload_args(parser)
     parser.add_argument("--sets", type=int, default=3, help="timed prompt sets of the genlm shape")
     parser.add_argument("--rounds", type=int, default=2, help="bare and pool alternate this often")
     parser.add_argument("--kv-off", action="store_true", help="also the pool with its KV cache off")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on each side")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(

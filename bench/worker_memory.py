@@ -94,10 +94,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="SMC runs, one after another")
-    parser.add_argument("--particles", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    efficiency.workload_args(parser)
     benchkit.output_args(parser)
     return benchkit.run_reported(run, parser.parse_args(argv))
 

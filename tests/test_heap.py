@@ -101,3 +101,38 @@ def test_a_producer_keeps_freed_memory_unless_told_not_to(
     )
     faults = float(out)
     assert (faults < 50) if keep else (faults > 2000), f"{faults} page faults a step"
+
+
+@needs_glibc
+def test_freed_memory_between_live_blocks_goes_back_to_the_system() -> None:
+    """Free blocks held between live ones stay resident (what a worker's arenas kept when its
+    compute thread made a step's rows and the event loop's thread freed them) until
+    ``give_back_freed_memory`` returns them: here 2,000 blocks of 64 KB, 125 MB."""
+    out = run(
+        """
+        import ctypes
+        from shared.heap import give_back_freed_memory
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+
+        def rss_mib():
+            line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS"))
+            return int(line.split()[1]) // 1024
+
+        big, small = [], []
+        for _ in range(2000):
+            big.append(libc.malloc(65536))
+            ctypes.memset(big[-1], 1, 65536)
+            small.append(libc.malloc(64))  # live, between the big ones
+        for p in big:
+            libc.free(p)
+        held = rss_mib()
+        given = give_back_freed_memory()
+        print(held, rss_mib(), given)
+        """
+    )
+    held, after, given = out.split()
+    assert given == "True"
+    assert int(held) - int(after) > 100, f"resident {held} MiB before, {after} MiB after"

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from shared import registry
+from shared import heap, registry
 from shared.aio import wait_event
 from shared.errors import ProtocolError, SettingsError
 from shared.keys import Keys
@@ -203,6 +203,8 @@ class PoolWorker:
                 await self._rebalance()
                 await self.consumer.adapters.sync()
                 await self.consumer.writer.sweep(self.settings.shards)
+                # rows made in the compute thread and freed in this one (shared.heap)
+                await asyncio.to_thread(heap.give_back_freed_memory)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
