@@ -213,6 +213,7 @@ async def pool_side(
         dtype=args.dtype,
         torch_threads=args.threads,
         max_batch=max(64, args.particles),
+        heartbeat_s=0.5,  # the KV counters, read after two heartbeats
         log_level="WARNING",
         **settings,
     ).start()
