@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -44,8 +45,10 @@ TRIM_THRESHOLD = 1 << 30
 _done: bool | None = None
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """The C library where it is glibc (it has ``mallopt`` and ``malloc_trim``), else None."""
+    """The C library where it is glibc (it has ``mallopt`` and ``malloc_trim``), else None;
+    looked up once."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -54,6 +57,8 @@ def _glibc() -> ctypes.CDLL | None:
             getattr(libc, name)
     except (OSError, AttributeError):
         return None  # not glibc
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
     return libc
 
 
@@ -61,11 +66,7 @@ def give_back_freed_memory() -> bool:
     """Return the free memory of every malloc arena to the system (``malloc_trim(0)``); True
     if any was, False also where the C library is not glibc."""
     libc = _glibc()
-    if libc is None:
-        return False
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    libc.malloc_trim.restype = ctypes.c_int
-    return bool(libc.malloc_trim(0))
+    return libc is not None and bool(libc.malloc_trim(0))
 
 
 def keep_freed_memory() -> bool:
