@@ -101,6 +101,9 @@ class SlotArena:
         self.dtype, self.device = layout.dtype, layout.device
         self.slot_bytes = layout.token_bytes()
         self.max_slots = 0
+        layers, heads = layout.layers, layout.kv_heads
+        self._vectors = torch.arange(layers * heads, device=self.device).view(layers, 1, heads, 1)
+        """``layer * kv_heads + head`` for every layer and head, as ``gather`` adds it."""
         self.release()
 
     def release(self) -> None:
@@ -110,8 +113,6 @@ class SlotArena:
         self._free = np.empty(0, dtype=np.int64)
         self._nfree = 0
         self._scratch = torch.empty(0, dtype=self.dtype)
-        self._vectors: torch.Tensor | None = None
-        """``layer * kv_heads + head`` for every layer and head, as ``gather`` adds it."""
 
     def set_budget(self, budget_bytes: int) -> None:
         """Cap the slots at the budget's worth and ``SLACK`` more."""
@@ -158,10 +159,6 @@ class SlotArena:
             keys.is_contiguous() and values.is_contiguous()
         ):
             raise ValueError(f"buffers of shape {tuple(keys.shape)} do not fit slots {slots.shape}")
-        if self._vectors is None or self._vectors.device != self.device:
-            self._vectors = torch.arange(layers * heads, device=self.device).view(
-                layers, 1, heads, 1
-            )
         first = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
         # vector (slot, layer, head) of the arena viewed as [slots * layers * heads, dim]
         index = (first.view(1, rows, 1, width) * (layers * heads) + self._vectors).view(-1)
