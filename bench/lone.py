@@ -12,8 +12,9 @@ Each checkout (``--roots``) runs its own pool: its worker (``python -m arq
 worker.WorkerSettings`` in that folder) and its producer (a child process of this script with
 that folder first on ``PYTHONPATH``), on one Redis server that this process starts and flushes
 between runs. The models: ``tiny`` (``bench/random_model.py``'s, whose forward pass costs next
-to nothing: the pool's own path shows) and ``default`` (the bundled SmolLM2-135M). One torch
-thread in the worker. The pairs alternate their order, since this machine's speed drifts.
+to nothing: the pool's own path shows), ``default`` (the bundled SmolLM2-135M) and ``mock``
+(the mock backend: the pool's path alone, nothing computed). One torch thread in the worker.
+The pairs alternate their order, since this machine's speed drifts.
 
     git worktree add /tmp/filing 93a2166
     python bench/lone.py --roots /tmp/filing,. --pairs 3
@@ -35,6 +36,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 WORKLOADS = ("cold", "extend")
+MOCK = "mock"
+"""``--models mock``: the mock backend (no model; rows of ``MOCK_VOCAB`` float32 values, as
+SmolLM2's): the pool's own path, with nothing computed."""
+MOCK_VOCAB = 49152
 
 
 # -- the child: one pool (one checkout), one model ----------------------------------------------
@@ -84,13 +89,15 @@ def child(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
     env.update(
         LMPOOL_REDIS_URL=args.url,
-        LMPOOL_BACKEND="hf",
-        LMPOOL_MODEL=args.model_path,
         LMPOOL_MODEL_NAME="lone",
         LMPOOL_TORCH_THREADS="1",
         LMPOOL_LOG_LEVEL="WARNING",
         OMP_NUM_THREADS="1",
     )
+    if args.model_path == MOCK:
+        env.update(LMPOOL_BACKEND="mock", LMPOOL_MOCK_VOCAB_SIZE=str(args.vocab))
+    else:
+        env.update(LMPOOL_BACKEND="hf", LMPOOL_MODEL=args.model_path)
     with tempfile.NamedTemporaryFile("w+b", prefix="lmpool-lone-", suffix=".log") as log:
         worker = subprocess.Popen(
             [sys.executable, "-m", "arq", "worker.WorkerSettings"],
@@ -119,13 +126,16 @@ def child(args: argparse.Namespace) -> int:
 
 # -- the driver: models, Redis, the alternating pairs -------------------------------------------
 def models(names: list[str], tmp: Path) -> dict[str, tuple[Path, int]]:
-    """Each model's folder and vocabulary size."""
+    """Each model's folder (``MOCK`` for the mock backend) and vocabulary size."""
     import benchkit
     import random_model
     import torch
 
     out: dict[str, tuple[Path, int]] = {}
     for name in names:
+        if name == "mock":
+            out[name] = (Path(MOCK), MOCK_VOCAB)
+            continue
         if name == "tiny":
             path = random_model.build(
                 tmp / "tiny", "tiny", random_model.default_tokenizer_dir(), torch.float32, 0
@@ -194,9 +204,9 @@ def driver(args: argparse.Namespace) -> int:
             ).stdout.strip()
             report.line(f"# pool {i + 1}: {root} ({rev or 'not a git checkout'})")
         report.line(
-            f"# one hf worker, 1 torch thread, KV cache at its default; {args.samples} requests "
-            f"of {args.tokens} tokens per workload after {args.warmup} untimed; {args.pairs} "
-            "pairs, the order alternating"
+            f"# one worker (hf; mock for the mock), 1 torch thread, KV cache at its default; "
+            f"{args.samples} requests of {args.tokens} tokens per workload after {args.warmup} "
+            f"untimed; {args.pairs} pairs, the order alternating"
         )
         p50: dict[tuple[str, str, int], list[float]] = {}
         with tempfile.TemporaryDirectory(prefix="lmpool-lone-") as tmp, RedisServer() as server:
@@ -237,7 +247,9 @@ def driver(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--roots", default=".", help="checkouts, comma-separated (anchor first)")
-    parser.add_argument("--models", default="tiny,default", help="tiny, default, comma-separated")
+    parser.add_argument(
+        "--models", default="tiny,default", help="tiny, default, mock, comma-separated"
+    )
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
