@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,15 @@ def random_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[
 
 
 # -- workers ---------------------------------------------------------------------------------
-async def sequential(lm: Any, prompts: list[list[int]]) -> list[float]:
-    """Latency (s) of each prompt, sent one at a time."""
+async def sequential(
+    lm: Any, prompts: list[list[int]], pause: Callable[[], float] | None = None
+) -> list[float]:
+    """Latency (s) of each prompt, sent one at a time; ``pause``: seconds to wait (untimed)
+    before each, so that requests do not all arrive just after the last answer."""
     out: list[float] = []
     for p in prompts:
+        if pause is not None:
+            await asyncio.sleep(pause())
         t0 = time.perf_counter()
         await lm.next_token_logprobs(p)
         out.append(time.perf_counter() - t0)

@@ -7,8 +7,9 @@ requests always in flight; B, the lone researcher, is this process, one request 
 
 1. B alone: p50 of ``--samples`` sequential requests (the anchor).
 2. B while tenant A keeps ``--flood`` requests in flight, same priority: p50 / alone
-   (target <= 1.5x); then the same without tenants (A and B both unnamed): what a shared FIFO
-   queue did before.
+   (target <= 1.5x); the same with B pausing a random part of a step before each request (its
+   requests then arrive anywhere in A's steps, not just after one began); then the same
+   without tenants (A and B both unnamed): what a shared FIFO queue did before.
 3. Weights 1 (A) and 3 (B), both saturating (a worker with ``LMPOOL_TENANT_WEIGHTS``): the
    requests each got over a window, from the worker's heartbeats (target: 1:3 within 10%).
 4. One producer saturating, as a tenant and as none, alternating ``--rounds`` times: the pool's
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import time
 from typing import Any
@@ -139,11 +141,17 @@ async def lone_beside_flood(url: str, args: argparse.Namespace, report: Report) 
             beat0 = next(iter(poolbench.heartbeats(url).values()))
             lat = await poolbench.sequential(lm, prompts(n))
             beat1 = next(iter(poolbench.heartbeats(url).values()))
+            name = "B beside A's flood, tenants" if tenants else "B beside A's flood, no tenants"
+            rows.append((name, lat, queued))
             if tenants:
                 batches = int(beat1["batches"]) - int(beat0["batches"])
                 step_s = (float(beat1["busy_s"]) - float(beat0["busy_s"])) / max(batches, 1)
-            name = "B beside A's flood, tenants" if tenants else "B beside A's flood, no tenants"
-            rows.append((name, lat, queued))
+                # B pausing a random part of a step before each request: its requests land
+                # anywhere in A's steps, not just after one began
+                paused = await poolbench.sequential(
+                    lm, prompts(n), pause=functools.partial(rng.uniform, 0, step_s)
+                )
+                rows.append(("  the same, B pausing 0-1 step first", paused, None))
             pool.stop_floods()
         await b.close()
         await none.close()
@@ -171,7 +179,10 @@ async def lone_beside_flood(url: str, args: argparse.Namespace, report: Report) 
         f"again as soon as its answer arrives, and the worker began its next step (of A's rows) "
         f"when it handed that answer over: B's request waits all of that step, then runs in the "
         f"next. B's floor beside the flood, for a worker that never idles while A has work: "
-        f"about 2 steps = {1000 * floor_s:.1f} ms ({floor_s / anchor:.2f}x B alone)"
+        f"about 2 steps = {1000 * floor_s:.1f} ms ({floor_s / anchor:.2f}x B alone); a request "
+        f"arriving at a random point of a step waits half of one on the median, then runs in "
+        f"the next: 1.5 steps = {1500 * step_s:.1f} ms ({1.5 * step_s / anchor:.2f}x B alone) "
+        f"before its own round trip"
     )
 
 
