@@ -1,5 +1,5 @@
-"""The C heap of a process: freed memory kept for the next step (producers), or given back
-(workers).
+"""The heap of a process: freed memory kept for the next step (producers), or given back
+(workers); a worker's start-up objects kept out of Python's garbage collections.
 
 An SMC step hands the caller 64 rows of 196 KB (SmolLM2's vocabulary in float32), each
 received into a buffer of its own, and the caller's own work on them (a draw, a stack) makes
@@ -22,6 +22,14 @@ memory a run of ``bench/worker_memory.py`` (64 particles, 32 steps), 1.1 GB afte
 rising, where the same rows freed in the thread that made them left it flat.
 :func:`give_back_freed_memory` (``malloc_trim``) returns what the arenas hold free to the
 system; the worker calls it each heartbeat (1-10 ms, off the event loop).
+
+Python's own collector pauses a process whole for each full collection, and a full collection
+visits every object the process holds: a worker with torch, transformers and its model loaded
+holds 200,000-450,000, and paused 100-190 ms each time (every request in flight waited that
+long; ``bench/tenants.py``, ``bench/efficiency.py``). What a worker made to start (modules, the
+model, the backend) lives as long as the process: :func:`freeze_start_up_objects` moves it
+out of the collector's sight (``gc.freeze``) once the worker serves, so that full collections
+visit only what came after.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import sys
+import time
 
 log = logging.getLogger("lmpool")
 
@@ -90,3 +100,61 @@ def keep_freed_memory() -> bool:
     if not _done:
         log.warning("glibc %s refused the heap options", gnu_version().decode())
     return _done
+
+
+def freeze_start_up_objects() -> int:
+    """Collect what start-up left as garbage, then keep every object alive now out of later
+    collections (they are still freed when nothing refers to them), and time the full
+    collections from here on (:data:`FULL_COLLECTIONS`); how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    # counted here, once: the count walks every frozen object (20-30 ms for 200,000)
+    frozen = gc.get_freeze_count()
+    FULL_COLLECTIONS.start(frozen)
+    return frozen
+
+
+class FullCollections:
+    """The full (oldest-generation) collections of this process since :meth:`start`: how
+    many, and the seconds they paused it, in all and the longest."""
+
+    def __init__(self) -> None:
+        self.frozen = 0
+        """Objects frozen at start-up (when counting began)."""
+        self.count = 0
+        self.seconds = 0.0
+        self.longest_s = 0.0
+        self._began = 0.0
+        self._on = False
+
+    def start(self, frozen: int = 0) -> None:
+        """Count from now, after ``frozen`` objects were frozen (a second call starts the
+        count again)."""
+        self.frozen = frozen
+        self.count, self.seconds, self.longest_s = 0, 0.0, 0.0
+        if not self._on:
+            gc.callbacks.append(self._callback)
+            self._on = True
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        took = time.perf_counter() - self._began
+        self.count += 1
+        self.seconds += took
+        self.longest_s = max(self.longest_s, took)
+
+    def describe(self) -> dict[str, float]:
+        """For a worker's heartbeat: objects frozen at start-up, and the full collections."""
+        return {
+            "frozen": self.frozen,
+            "full_collections": self.count,
+            "full_collection_s": round(self.seconds, 6),
+            "longest_full_collection_s": round(self.longest_s, 6),
+        }
+
+
+FULL_COLLECTIONS = FullCollections()

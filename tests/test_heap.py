@@ -1,8 +1,10 @@
-"""The C heap of a producer's process (``shared.heap``, ``LMPOOL_KEEP_FREED_MEMORY``): a step's
-rows reuse memory the process already touched, unless turned off."""
+"""A process's heap (``shared.heap``): a producer's step's rows reuse memory the process already
+touched (``LMPOOL_KEEP_FREED_MEMORY``), a worker gives freed memory back and keeps its start-up
+objects out of full collections."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -136,3 +138,59 @@ def test_freed_memory_between_live_blocks_goes_back_to_the_system() -> None:
     held, after, given = out.split()
     assert given == "True"
     assert int(held) - int(after) > 100, f"resident {held} MiB before, {after} MiB after"
+
+
+def test_start_up_objects_leave_full_collections_which_are_timed() -> None:
+    """After ``freeze_start_up_objects`` a full collection no longer visits what existed before
+    it (200,000 objects here, as a worker's imports and model leave), yet those objects are
+    still freed when dropped; the full collections after it are counted and timed."""
+    out = run(
+        """
+        import gc, json, weakref
+        from shared import heap
+
+        class Thing:
+            pass
+
+        made = [[i] for i in range(200_000)]
+        probe = Thing()
+        gone = weakref.ref(probe)
+        gc.collect()
+        before = len(gc.get_objects(2))
+        frozen = heap.freeze_start_up_objects()
+        after = len(gc.get_objects(2))
+        del probe  # frozen, and freed all the same once nothing refers to it
+        cycle = [Thing() for _ in range(10)]
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            a.next = b
+        del cycle, a, b
+        collected = gc.collect()
+        gc.collect()
+        print(json.dumps([before, frozen, after, gone() is None, collected,
+                          heap.FULL_COLLECTIONS.describe()]))
+        """
+    )
+    before, frozen, after, freed, collected, stats = json.loads(out)
+    assert before > 200_000 and frozen > 200_000, (before, frozen)
+    assert after < 1_000, f"{after} objects still in the oldest generation"
+    assert freed, "a frozen object was not freed when dropped"
+    assert collected >= 10, f"the cycle made after the freeze was not collected ({collected})"
+    assert stats["frozen"] == frozen
+    assert stats["full_collections"] == 2
+    assert 0 < stats["longest_full_collection_s"] <= stats["full_collection_s"]
+
+
+def test_a_worker_serves_with_its_start_up_objects_frozen(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A worker freezes what its start-up made (torch, the backend, arq, ...) before it serves,
+    and its heartbeat says so, with its full collections since."""
+    worker = workers(redis_url, backend="mock", mock_vocab_size=64)
+    stats = worker.info()["gc"]
+    assert stats["frozen"] > 50_000, stats
+    assert set(stats) == {
+        "frozen",
+        "full_collections",
+        "full_collection_s",
+        "longest_full_collection_s",
+    }

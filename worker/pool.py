@@ -138,6 +138,7 @@ class PoolWorker:
             "kv": self.kv_stats(),
             "adapters": list(self.backend.info["adapters"]),
             "shards": sorted(self.leases.owned),
+            "gc": heap.FULL_COLLECTIONS.describe(),
         }
 
     async def _rebalance(self) -> None:

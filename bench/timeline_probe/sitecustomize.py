@@ -1,5 +1,7 @@
 """Loaded by the worker process that ``bench/timeline.py`` starts (this folder is put first on
-its ``PYTHONPATH``): marks when each stage of the worker's request path starts and ends."""
+its ``PYTHONPATH``): marks when each stage of the worker's request path starts and ends.
+``bench/smc_timeline.py`` and ``bench/gc_pauses.py`` put it first for every process they start
+(see below)."""
 
 import os
 
@@ -50,3 +52,35 @@ if os.environ.get("BENCH_SMC_TIMELINE"):
     _wrap(_kv_cache.KVCache, "_store", "W KV store")
     _wrap(_compute, "encode_results", "W encode")
     _wrap(_writer.Writer, "write", "W write")
+
+if os.environ.get("BENCH_GC_OUT"):
+    # bench/gc_pauses.py: each full collection of 1 ms or more, one line each to
+    # $BENCH_GC_OUT.<pid> (the time, the pause in ms, 1 once gc.freeze ran), after a first
+    # line with the process' start and command
+    import gc
+    import sys
+    import time
+
+    _out = open(f"{os.environ['BENCH_GC_OUT']}.{os.getpid()}", "w", buffering=1)  # noqa: SIM115
+    _out.write(f"{time.time():.3f} " + " ".join(sys.argv)[:200] + "\n")
+    _began = [0.0]
+    _frozen = [0]
+    _freeze = gc.freeze
+
+    def _noted_freeze() -> None:  # gc.get_freeze_count() walks every frozen object: not here
+        _freeze()
+        _frozen[0] = 1
+
+    gc.freeze = _noted_freeze
+
+    def _timed(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            _began[0] = time.perf_counter()
+            return
+        took = time.perf_counter() - _began[0]
+        if took >= 0.001:
+            _out.write(f"{time.time():.3f} {took * 1000:.1f} {_frozen[0]}\n")
+
+    gc.callbacks.append(_timed)
