@@ -42,7 +42,7 @@ import random_model
 import redis
 import torch
 
-from shared.heap import keep_freed_memory
+from shared.heap import freeze_start_up_objects, keep_freed_memory
 from shared.keys import Keys
 
 KEYS = Keys()
@@ -312,6 +312,11 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         model = load_model(path, args.device, args.dtype)
         bare_smc(model, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)  # warm-up
         floor_s = forward_floor(model, args)
+        if args.gc == "frozen":
+            # this process' start-up objects (torch, transformers, the model) out of Python's
+            # full collections, as a worker's (shared.heap): each paused the process 185-240 ms,
+            # once a run, in whichever side was timed then
+            report.line(f"# this process' {freeze_start_up_objects()} start-up objects frozen")
         bare: dict[str, tuple[int, float]] = {}
         with benchkit.cache_redis(args, report, 4 * VOCAB) as (server, args.cache_settings):
             # bare and pool alternate, so that a slow spell of the machine hits both
@@ -424,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("float32", "float16", "bfloat16"),
         default="float32",
         help="the pool's LMPOOL_WIRE_DTYPE",
+    )
+    parser.add_argument(
+        "--gc",
+        choices=("frozen", "default"),
+        default="frozen",
+        help="this process' start-up objects frozen before the timed runs (shared.heap; a "
+        "worker's always are), or Python's collector left as it is",
     )
     parser.add_argument(
         "--heap",
