@@ -25,10 +25,10 @@ system; the worker calls it each heartbeat (1-10 ms, off the event loop).
 
 Python's own collector pauses a process whole for each full collection, and a full collection
 visits every object the process holds: a worker with torch, transformers and its model loaded
-holds 200,000-450,000, and paused 100-190 ms each time (every request in flight waited that
+holds 200,000-450,000, and paused 104-240 ms each time (every request in flight waited that
 long; ``bench/tenants.py``, ``bench/efficiency.py``). What a worker made to start (modules, the
 model, the backend) lives as long as the process: :func:`freeze_start_up_objects` moves it
-out of the collector's sight (``gc.freeze``) once the worker serves, so that full collections
+out of the collector's sight (``gc.freeze``) before the worker serves, so that full collections
 visit only what came after.
 """
 

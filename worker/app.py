@@ -75,7 +75,7 @@ async def _start(ctx: dict[str, Any]) -> None:
     backend = await in_compute_thread(functools.partial(load_backend, settings))
     pool = PoolWorker(settings, backend, cluster)
     # what start-up made (modules, the model, the backend) lives as long as the process: out
-    # of the collector's full passes, which paused a serving worker 100-190 ms each
+    # of the collector's full passes, which paused a serving worker 104-240 ms each
     log.debug("%d start-up objects frozen", heap.freeze_start_up_objects())
     await pool.start()
     ctx["lmpool"] = pool
