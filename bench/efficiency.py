@@ -314,7 +314,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         floor_s = forward_floor(model, args)
         if args.gc == "frozen":
             # this process' start-up objects (torch, transformers, the model) out of Python's
-            # full collections, as a worker's (shared.heap): each paused the process 185-240 ms,
+            # full collections, as a worker's (shared.heap): each paused the process 184-240 ms,
             # once a run, in whichever side was timed then
             report.line(f"# this process' {freeze_start_up_objects()} start-up objects frozen")
         bare: dict[str, tuple[int, float]] = {}

@@ -133,7 +133,7 @@ def models(names: list[str], tmp: Path) -> dict[str, tuple[Path, int]]:
 
     out: dict[str, tuple[Path, int]] = {}
     for name in names:
-        if name == "mock":
+        if name == MOCK:
             out[name] = (Path(MOCK), MOCK_VOCAB)
             continue
         if name == "tiny":
