@@ -199,6 +199,15 @@ class ReadyPool(ConnectionPool):
         await super().ensure_connection(connection)
 
 
+def _socket_options(url: str) -> dict[str, Any]:
+    """Connection options both clients share; TCP keepalive where the URL is TCP (redis-py's
+    unix socket connection refuses the option)."""
+    options: dict[str, Any] = {"health_check_interval": 30, "socket_connect_timeout": 5}
+    if not url.startswith("unix://"):
+        options["socket_keepalive"] = True
+    return options
+
+
 def connect_redis(url: str, **kwargs: Any) -> AnyRedis:
     """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, binary replies; a
     cluster client when the URL names a cluster node (see :func:`is_cluster`, which must have
@@ -207,9 +216,7 @@ def connect_redis(url: str, **kwargs: Any) -> AnyRedis:
     if cluster is None:
         cluster = is_cluster(url)
     options: dict[str, Any] = {
-        "health_check_interval": 30,
-        "socket_keepalive": True,
-        "socket_connect_timeout": 5,
+        **_socket_options(url),
         # No command of lmpool blocks for more than a few seconds: a read that takes longer is a
         # dead connection (a server restarted under us), to be dropped and retried.
         "socket_timeout": 15,
@@ -234,9 +241,7 @@ def connect_redis_sync(url: str, **kwargs: Any) -> Any:
     from redis.retry import Retry as SyncRetry
 
     options: dict[str, Any] = {
-        "health_check_interval": 30,
-        "socket_keepalive": True,
-        "socket_connect_timeout": 5,
+        **_socket_options(url),
         "socket_timeout": 15,
         "retry": SyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=4),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],

@@ -37,7 +37,8 @@ class Settings:
     """Every lmpool setting with its default; see README's settings table."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis server: ``redis://[user:password@]host:port/db`` or ``rediss://`` for TLS."""
+    """Redis server: ``redis://[user:password@]host:port/db``, ``rediss://`` for TLS, or
+    ``unix:///path/redis.sock?db=0`` for a server on the same host."""
     arq_redis_url: str = ""
     """Worker: a plain Redis for arq's job queue (offline ``score_file`` jobs); empty: the
     ``LMPOOL_REDIS_URL`` server. Required when that names a Redis Cluster, which arq cannot

