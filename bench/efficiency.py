@@ -15,7 +15,12 @@ particles' tokens drawn by one batched inverse-CDF draw (``draw``). Two workload
   a new prefix each set. Bare: the prefix prefilled once, its cache repeated over P rows, one
   forward of the 8 new tokens. Pool: ``batch_next_token_logprobs`` with no ``cache_kv`` hint.
 
-Rows per second on each side and the ratio pool / bare, beside the targets of the issue.
+Rows per second on each side and the ratio pool / bare, beside the targets of the issue. Two
+anchors beside the SMC figure: the model's floor (a step's new tokens with no past), and the
+rows' round trip alone (``bench/rowtrip.py``: the same bytes into the same Redis and back on one
+raw socket, after each bare round): the bare step plus that round trip is as fast as any pool
+that moves its rows through Redis can be, so ``bare step / (bare step + round trip)`` is the
+ratio such a pool reaches at most on the machine at hand.
 
     python bench/efficiency.py                                # tiny model, both shapes
     python bench/efficiency.py --model default --particles 16 --steps 8
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,9 +47,11 @@ import benchkit
 import random_model
 import redis
 import torch
+from rowtrip import RowTrip
 
 from shared.heap import freeze_start_up_objects, keep_freed_memory
 from shared.keys import Keys
+from shared.protocol import sent_dtype
 
 KEYS = Keys()
 VOCAB = 49_152
@@ -322,6 +330,13 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             # bare and pool alternate, so that a slow spell of the machine hits both
             pools: list[dict[str, Any]] = []
             offs: list[dict[str, Any]] = []
+            # the rows' round trip alone, after each bare round (rows of the same shape and
+            # wire dtype: their values do not change what moving them costs)
+            trip = RowTrip(server.url, server.port)
+            model_dtype = getattr(torch, args.dtype)
+            sent = sent_dtype(model_dtype, getattr(torch, args.wire_dtype)) or model_dtype
+            trip_rows = torch.randn(args.particles, VOCAB).log_softmax(-1).to(sent)
+            trips: list[tuple[float, float, float]] = []
             for _ in range(args.rounds):
                 if "smc" in args.shapes:
                     faults = benchkit.process_faults()
@@ -329,6 +344,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
                     args.bare_faults += benchkit.process_faults() - faults
                     prev = bare.get("smc", (0, 0.0))
                     bare["smc"] = (prev[0] + r, prev[1] + s)
+                    trips.append(trip.measure(trip_rows, 16))
                 if "genlm" in args.shapes:
                     r, s = bare_genlm(model, args)
                     prev = bare.get("genlm", (0, 0.0))
@@ -336,6 +352,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
                 pools.append(await pool_side(server.url, path, args, None))
                 if args.kv_off and "smc" in args.shapes:
                     offs.append(await pool_side(server.url, path, args, 0))
+            trip.close()
         del model
 
     def total(sides: list[dict[str, Any]], shape: str) -> tuple[int, float]:
@@ -374,6 +391,16 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         report.line(
             "   Redis commands' own time per step (last round): "
             + ", ".join(f"{n} {1000 * t / args.steps:.2f} ms" for n, t in top)
+        )
+        set_s, get_s, redis_s = (statistics.median(t[i] for t in trips) for i in range(3))
+        bare_step = bare["smc"][1] / steps
+        anchored = bare_step + set_s + get_s
+        report.line(
+            f"   the rows' round trip alone (bench/rowtrip.py: one raw socket, {args.particles} "
+            f"SETs then GETs into place, medians of 16 trips a round): SET {1000 * set_s:.1f} "
+            f"ms, GET {1000 * get_s:.1f} ms, Redis' CPU {1000 * redis_s:.1f} ms; bare step + it "
+            f"{1000 * anchored:.1f} ms = {bare_step / anchored:.2f}x bare at most for a pool that "
+            f"moves its rows through Redis; pool / that {pl * anchored / args.particles:.2f}x"
         )
         report.line(
             f"   floor: {args.particles} new tokens through the model, no past, "
