@@ -251,6 +251,26 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_wait_s(pid: int | None = None) -> float:
+    """Seconds the threads of process ``pid`` (default: this one) have spent ready to run but
+    waiting for a core (the run queue's delay, ``/proc/PID/task/*/schedstat``), threads that
+    ended excluded: what several busy processes on too few cores cost each other."""
+    total = 0
+    for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
+def redis_pid(url: str) -> int:
+    """Process id of the Redis server at ``url``."""
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        info: Any = r.info("server")
+    return int(info["process_id"])
+
+
 def process_faults(pid: int | None = None) -> int:
     """Minor page faults process ``pid`` (default: this one) has taken so far: fresh pages
     touched, which a heap that keeps its freed memory avoids (``shared.heap``)."""

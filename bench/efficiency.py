@@ -258,6 +258,8 @@ async def profiled(
     with redis.Redis.from_url(url) as r:
         r.config_resetstat()
     faults = (benchkit.process_faults(), benchkit.process_faults(pid))
+    pids = (None, pid, benchkit.redis_pid(url))
+    waits = [benchkit.process_wait_s(p) for p in pids]
     before = (time.process_time(), benchkit.process_cpu_s(pid), benchkit.redis_cpu_s(url))
     if args.profile:
         out = Path(tempfile.mkdtemp(prefix="lmpool-efficiency-")) / "worker.pyspy.txt"
@@ -267,11 +269,13 @@ async def profiled(
     else:
         result = await run
     after = (time.process_time(), benchkit.process_cpu_s(pid), benchkit.redis_cpu_s(url))
+    waits = [benchkit.process_wait_s(p) - w for p, w in zip(pids, waits, strict=True)]
     names = ("producer", "worker", "redis")
     with redis.Redis.from_url(url) as r:
         stats = benchkit.commandstats(r)
     args.commandstats.append({name: usec / 1e6 for name, (_, usec) in stats.items()})
     cpu = {n: b - a for n, a, b in zip(names, before, after, strict=True)}
+    cpu.update({f"{n} waiting": w for n, w in zip(names, waits, strict=True)})
     return (
         result,
         cpu,
@@ -339,9 +343,10 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             trips: list[tuple[float, float, float]] = []
             for _ in range(args.rounds):
                 if "smc" in args.shapes:
-                    faults = benchkit.process_faults()
+                    faults, waited = benchkit.process_faults(), benchkit.process_wait_s()
                     r, s = bare_smc(model, args, args.seed)
                     args.bare_faults += benchkit.process_faults() - faults
+                    args.bare_wait_s += benchkit.process_wait_s() - waited
                     prev = bare.get("smc", (0, 0.0))
                     bare["smc"] = (prev[0] + r, prev[1] + s)
                     trips.append(trip.measure(trip_rows, 16))
@@ -380,7 +385,14 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         report.line(
             f"   per step, wall {1000 * total(pools, 'smc')[1] / steps:.1f} ms (bare "
             f"{1000 * bare['smc'][1] / steps:.1f}); CPU: "
-            + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items())
+            + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items() if " " not in n)
+        )
+        report.line(
+            "   ready but waiting for a core (the run queue), per step: "
+            + ", ".join(
+                f"{n.split()[0]} {1000 * c / steps:.1f} ms" for n, c in cpu.items() if " " in n
+            )
+            + f" (bare {1000 * args.bare_wait_s / steps:.1f} ms)"
         )
         per_step = [sum(p["faults"][i] for p in pools) / steps for i in (0, 1)]
         report.line(
@@ -480,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     args.profiles = []
     args.commandstats = []
     args.bare_faults = 0
+    args.bare_wait_s = 0.0
     return benchkit.run_reported(run, args)
 
 

@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             for path in Path(tmp).glob("marks.*")
             for t, name in (line.rstrip("\n").split(" ", 1) for line in path.open())
         )
-    summary = [line for line in run.stdout.splitlines() if line.startswith(("SMC", "   per"))]
+    summary = [
+        line
+        for line in run.stdout.splitlines()
+        if line.startswith(("SMC", "   per", "   ready", "   the rows"))
+    ]
     print(f"$ python bench/smc_timeline.py --root {root} --steps {args.steps}")
     print(*summary, sep="\n")
     submits = [t for t, name in events if name == "P submit >"]
