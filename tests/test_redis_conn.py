@@ -1,14 +1,20 @@
-"""The asyncio client's connection pool (``shared.redis_conn.ReadyPool``) on a real Redis."""
+"""The asyncio client's connection pool (``shared.redis_conn.ReadyPool``) on a real Redis, and
+the whole pool on a unix socket."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
+import torch
 from redis.asyncio.connection import AbstractConnection
 
-from shared.redis_conn import ReadyPool, connect_redis
+from producer import RemoteLM
+from shared.redis_conn import ReadyPool, connect_redis, connect_redis_sync
+from worker import status
+from worker.backends.mock import MockBackend
 
 
 @pytest.mark.asyncio
@@ -134,15 +140,6 @@ def test_a_pool_on_a_unix_socket(
     """A ``unix://`` URL, as the settings accept it, serves every client of the pool: a worker
     (arq's connection and lmpool's), a producer's calls (asyncio and blocking), a blocking
     client, the status command."""
-    import json
-
-    import torch
-
-    from producer import RemoteLM
-    from shared.redis_conn import connect_redis_sync
-    from worker import status
-    from worker.backends.mock import MockBackend
-
     url = redis_server.unix_url
     assert url.startswith("unix://")
     worker = workers(url, backend="mock", mock_vocab_size=300)
