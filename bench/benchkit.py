@@ -84,6 +84,32 @@ def cache_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def pin_args(parser: argparse.ArgumentParser) -> None:
+    """``--pin-redis`` and ``--unix-socket`` (for a bench whose Redis ``cache_redis`` starts)."""
+    parser.add_argument(
+        "--unix-socket",
+        action="store_true",
+        help="the pool's clients reach Redis on a unix socket (unix://), as on a single host",
+    )
+    parser.add_argument(
+        "--pin-redis",
+        action="store_true",
+        help="Redis on a core of its own (the first this process may use), this process and "
+        "the workers it starts on the others, as where Redis has a host or a core to itself",
+    )
+
+
+def pin_redis(pid: int) -> str:
+    """Redis (``pid``) on the first core this process may use, the calling thread (and the
+    processes it starts from now on) on the others; what was done, for the report."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin-redis needs 2 cores or more")
+    os.sched_setaffinity(pid, {cores[0]})
+    os.sched_setaffinity(0, set(cores[1:]))
+    return f"Redis on core {cores[0]}, this process and its workers on {cores[1:]}"
+
+
 @contextlib.contextmanager
 def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any, dict[str, Any]]]:
     """A private Redis as ``cache_args`` chose it: capped (``volatile-lru``) and filled first
@@ -91,7 +117,15 @@ def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any
     unbounded. Yields the server and the worker settings that go with it; reports the choice."""
     from localpool.redis_server import RedisServer
 
-    with RedisServer(maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru") as server:
+    unix = getattr(args, "unix_socket", False)
+    with RedisServer(
+        maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru", unix_socket=unix
+    ) as server:
+        if unix:
+            report.line(f"# the pool's clients on Redis' unix socket: {server.unix_url}")
+        if getattr(args, "pin_redis", False):
+            assert server.proc is not None
+            report.line(f"# pinned: {pin_redis(server.proc.pid)}")
         if args.maxmemory_mb > 0:
             filled = fill_cache(server.url, row_bytes)
             report.line(

@@ -226,6 +226,7 @@ async def pool_side(
         **settings,
     ).start()
     out: dict[str, Any] = {}
+
     try:
         more = {} if args.heap == "kept" else {"keep_freed_memory": False}
         lm = await benchkit.connect_remote_lm(worker, url, "efficiency", 600, 3600, **more)
@@ -336,7 +337,10 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             offs: list[dict[str, Any]] = []
             # the rows' round trip alone, after each bare round (rows of the same shape and
             # wire dtype: their values do not change what moving them costs)
-            trip = RowTrip(server.url, server.port)
+            url = server.unix_url if args.unix_socket else server.url
+            trip = RowTrip(
+                url, server.port, server.dir / "redis.sock" if args.unix_socket else None
+            )
             model_dtype = getattr(torch, args.dtype)
             sent = sent_dtype(model_dtype, getattr(torch, args.wire_dtype)) or model_dtype
             trip_rows = torch.randn(args.particles, VOCAB).log_softmax(-1).to(sent)
@@ -354,9 +358,9 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
                     r, s = bare_genlm(model, args)
                     prev = bare.get("genlm", (0, 0.0))
                     bare["genlm"] = (prev[0] + r, prev[1] + s)
-                pools.append(await pool_side(server.url, path, args, None))
+                pools.append(await pool_side(url, path, args, None))
                 if args.kv_off and "smc" in args.shapes:
-                    offs.append(await pool_side(server.url, path, args, 0))
+                    offs.append(await pool_side(url, path, args, 0))
             trip.close()
         del model
 
@@ -487,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"
     )
     benchkit.cache_args(parser)
+    benchkit.pin_args(parser)
     benchkit.output_args(parser)
     args = parser.parse_args(argv)
     args.profiles = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import benchkit
 import torch
@@ -44,19 +45,25 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 class RowTrip:
-    """A step's rows into Redis and back on one socket to the server at ``port``, timed."""
+    """A step's rows into Redis and back on one socket, timed."""
 
-    def __init__(self, url: str, port: int) -> None:
+    def __init__(self, url: str, port: int, unix_path: Path | None = None) -> None:
+        """On the loopback ``port``, or on the unix socket at ``unix_path``."""
         self.url = url
         self.trips = 0
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if unix_path is not None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(str(unix_path))
+        else:
+            self.sock = socket.create_connection(("127.0.0.1", port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def close(self) -> None:
         self.sock.close()
 
-    def once(self, rows: torch.Tensor) -> tuple[float, float]:
-        """Seconds of the SETs (all acknowledged) and of the GETs (all received in place)."""
+    def once(self, rows: torch.Tensor) -> tuple[float, float] | None:
+        """Seconds of the SETs (all acknowledged) and of the GETs (all received in place); None
+        when Redis evicted a row before its GET (the trip moved fewer bytes: not counted)."""
         rows = rows.contiguous()
         n, v = rows.shape
         size = rows.element_size() * v
@@ -69,28 +76,42 @@ class RowTrip:
             parts.append(b"\r\n$2\r\nEX\r\n$3\r\n600\r\n")
         acks = bytearray(5 * n)
         out = torch.empty(n, v, dtype=rows.dtype)
-        header = bytearray(len(b"$%d\r\n" % size))
+        expected = b"$%d\r\n" % size
+        header = bytearray(len(expected))
         crlf = bytearray(2)
         started = time.perf_counter()
         _send(self.sock, parts)
         _recv_exact(self.sock, memoryview(acks))
         stored = time.perf_counter()
+        if acks != b"+OK\r\n" * n:
+            raise RuntimeError(f"Redis refused a SET: {bytes(acks[:200])!r}")
         _send(self.sock, [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
+        evicted = 0
         for i in range(n):
-            _recv_exact(self.sock, memoryview(header))
+            _recv_exact(self.sock, memoryview(header)[:5])  # a nil or an error is 5 bytes at least
+            if header[:5] == b"$-1\r\n":
+                evicted += 1  # a row stored just now, evicted already (a cap, LRU clocks alike)
+                out[i] = rows[i]
+                continue
+            if header[:5] != expected[:5]:
+                raise RuntimeError(f"GET of a row stored just now answered {bytes(header[:5])!r}")
+            _recv_exact(self.sock, memoryview(header)[5:])
             _recv_exact(self.sock, out[i].view(torch.uint8).numpy().data)
             _recv_exact(self.sock, memoryview(crlf))
         done = time.perf_counter()
-        if acks != b"+OK\r\n" * n or not torch.equal(out, rows):
+        if header != expected or not torch.equal(out, rows):
             raise RuntimeError("the rows did not come back from Redis as sent")
-        return stored - started, done - stored
+        return None if evicted else (stored - started, done - stored)
 
     def measure(self, rows: torch.Tensor, repeats: int) -> tuple[float, float, float]:
         """Medians over ``repeats`` trips of the SETs' and GETs' seconds; Redis' CPU a trip."""
         self.once(rows)  # a first trip connects Redis' client buffers
         cpu = benchkit.redis_cpu_s(self.url)
-        laps = [self.once(rows) for _ in range(repeats)]
+        trips = [self.once(rows) for _ in range(repeats)]
         redis_s = (benchkit.redis_cpu_s(self.url) - cpu) / repeats
+        laps = [lap for lap in trips if lap is not None]
+        if not laps:
+            raise RuntimeError("Redis evicted a row of every trip before it was read back")
         return (
             statistics.median(s for s, _ in laps),
             statistics.median(g for _, g in laps),
