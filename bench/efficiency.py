@@ -226,14 +226,13 @@ async def pool_side(
         **settings,
     ).start()
     out: dict[str, Any] = {}
-
     try:
         more = {} if args.heap == "kept" else {"keep_freed_memory": False}
         lm = await benchkit.connect_remote_lm(worker, url, "efficiency", 600, 3600, **more)
         try:
             await pool_smc(lm, argparse.Namespace(**{**vars(args), "steps": 2}), args.seed + 7)
             if "smc" in args.shapes:
-                out["smc"], out["cpu"], out["faults"] = await profiled(
+                out["smc"], out["cpu"], out["wait"], out["faults"] = await profiled(
                     worker, url, args, pool_smc(lm, args, args.seed)
                 )
             if "genlm" in args.shapes:
@@ -249,11 +248,11 @@ async def pool_side(
 
 async def profiled(
     worker: benchkit.Worker, url: str, args: argparse.Namespace, run: Any
-) -> tuple[Any, dict[str, float], tuple[int, int]]:
+) -> tuple[Any, dict[str, float], dict[str, float], tuple[int, int]]:
     """``await run``, the CPU seconds that the producer (this process), the worker and Redis
-    used meanwhile, and the page faults of the first two; with ``--profile``, the worker
-    sampled by py-spy too (printed after the run: where its busy time went, by frame, own and
-    inclusive)."""
+    used meanwhile, the seconds each waited for a core, and the page faults of the first two;
+    with ``--profile``, the worker sampled by py-spy too (printed after the run: where its busy
+    time went, by frame, own and inclusive)."""
     assert worker.proc is not None
     pid = worker.proc.pid
     with redis.Redis.from_url(url) as r:
@@ -276,10 +275,10 @@ async def profiled(
         stats = benchkit.commandstats(r)
     args.commandstats.append({name: usec / 1e6 for name, (_, usec) in stats.items()})
     cpu = {n: b - a for n, a, b in zip(names, before, after, strict=True)}
-    cpu.update({f"{n} waiting": w for n, w in zip(names, waits, strict=True)})
     return (
         result,
         cpu,
+        dict(zip(names, waits, strict=True)),
         (benchkit.process_faults() - faults[0], benchkit.process_faults(pid) - faults[1]),
     )
 
@@ -338,9 +337,7 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
             # the rows' round trip alone, after each bare round (rows of the same shape and
             # wire dtype: their values do not change what moving them costs)
             url = server.unix_url if args.unix_socket else server.url
-            trip = RowTrip(
-                url, server.port, server.dir / "redis.sock" if args.unix_socket else None
-            )
+            trip = RowTrip(url, server.port, server.unix_path if args.unix_socket else None)
             model_dtype = getattr(torch, args.dtype)
             sent = sent_dtype(model_dtype, getattr(torch, args.wire_dtype)) or model_dtype
             trip_rows = torch.randn(args.particles, VOCAB).log_softmax(-1).to(sent)
@@ -389,13 +386,12 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
         report.line(
             f"   per step, wall {1000 * total(pools, 'smc')[1] / steps:.1f} ms (bare "
             f"{1000 * bare['smc'][1] / steps:.1f}); CPU: "
-            + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items() if " " not in n)
+            + ", ".join(f"{n} {1000 * c / steps:.1f} ms" for n, c in cpu.items())
         )
+        wait = {n: sum(p["wait"][n] for p in pools) for n in pools[0]["wait"]}
         report.line(
             "   ready but waiting for a core (the run queue), per step: "
-            + ", ".join(
-                f"{n.split()[0]} {1000 * c / steps:.1f} ms" for n, c in cpu.items() if " " in n
-            )
+            + ", ".join(f"{n} {1000 * w / steps:.1f} ms" for n, w in wait.items())
             + f" (bare {1000 * args.bare_wait_s / steps:.1f} ms)"
         )
         per_step = [sum(p["faults"][i] for p in pools) / steps for i in (0, 1)]

@@ -96,10 +96,12 @@ class RowTrip:
             if header[:5] != expected[:5]:
                 raise RuntimeError(f"GET of a row stored just now answered {bytes(header[:5])!r}")
             _recv_exact(self.sock, memoryview(header)[5:])
+            if header != expected:
+                raise RuntimeError(f"GET of a row stored just now answered {bytes(header)!r}")
             _recv_exact(self.sock, out[i].view(torch.uint8).numpy().data)
             _recv_exact(self.sock, memoryview(crlf))
         done = time.perf_counter()
-        if header != expected or not torch.equal(out, rows):
+        if not torch.equal(out, rows):
             raise RuntimeError("the rows did not come back from Redis as sent")
         return None if evicted else (stored - started, done - stored)
 

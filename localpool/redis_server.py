@@ -98,9 +98,14 @@ class RedisServer:
         return self._url(f":{self.password}@" if self.password else "")
 
     @property
+    def unix_path(self) -> Path:
+        """Where its unix socket is (with ``unix_socket``)."""
+        return self.dir / "redis.sock"
+
+    @property
     def unix_url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"unix://{auth}{self.dir / 'redis.sock'}?db=0"
+        return f"unix://{auth}{self.unix_path}?db=0"
 
     def url_for(self, user: str, password: str) -> str:
         return self._url(f"{user}:{password}@")
@@ -144,7 +149,7 @@ class RedisServer:
                 "--tls-auth-clients", "no",
             ]  # fmt: skip
         if self.unix_socket:
-            args += ["--unixsocket", str(self.dir / "redis.sock"), "--unixsocketperm", "700"]
+            args += ["--unixsocket", str(self.unix_path), "--unixsocketperm", "700"]
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb"]
             args += ["--maxmemory-policy", self.maxmemory_policy]
