@@ -84,7 +84,7 @@ def cache_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def pin_args(parser: argparse.ArgumentParser) -> None:
+def redis_placement_args(parser: argparse.ArgumentParser) -> None:
     """``--pin-redis`` and ``--unix-socket`` (for a bench whose Redis ``cache_redis`` starts)."""
     parser.add_argument(
         "--unix-socket",

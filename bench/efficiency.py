@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"
     )
     benchkit.cache_args(parser)
-    benchkit.pin_args(parser)
+    benchkit.redis_placement_args(parser)
     benchkit.output_args(parser)
     args = parser.parse_args(argv)
     args.profiles = []
