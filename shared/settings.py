@@ -9,6 +9,7 @@ silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -286,8 +287,12 @@ class Settings:
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in known:
+                close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+                hint = " or ".join(ENV_PREFIX + n.upper() for n in close)
                 raise SettingsError(
-                    f"unknown setting {var}; known: "
+                    f"unknown setting {var}"
+                    + (f" (did you mean {hint}?)" if hint else "")
+                    + "; known: "
                     + ", ".join(ENV_PREFIX + n.upper() for n in sorted(known))
                 )
             values[name] = _parse(var, raw, hints[name])

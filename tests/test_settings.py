@@ -44,6 +44,27 @@ def test_misspelled_setting_is_an_error_naming_the_known_ones() -> None:
 
 
 @pytest.mark.parametrize(
+    ("var", "hint"),
+    [
+        ("LMPOOL_MAX_BATCH_SIZE", "(did you mean LMPOOL_MAX_BATCH?)"),
+        ("LMPOOL_TORCH_THREAD", "(did you mean LMPOOL_TORCH_THREADS?)"),
+        ("LMPOOL_REDIS", "(did you mean LMPOOL_REDIS_URL?)"),
+        ("LMPOOL_PROMETHEUS", None),
+    ],
+)
+def test_a_misspelled_setting_names_the_closest_ones(var: str, hint: str | None) -> None:
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env({var: "1"})
+    message = str(caught.value)
+    assert message.startswith(f"unknown setting {var}")
+    assert "; known: LMPOOL_" in message
+    if hint is None:
+        assert "did you mean" not in message
+    else:
+        assert hint in message
+
+
+@pytest.mark.parametrize(
     ("var", "value"),
     [
         ("LMPOOL_MAX_BATCH", "0"),
