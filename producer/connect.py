@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import registry
-from shared.errors import NoWorker, SettingsError
+from shared.errors import LMPoolError, NoWorker, PoolUnreachable, SettingsError
 from shared.keys import Keys, check_tenant
-from shared.redis_conn import connect_redis, connect_redis_sync, is_cluster_async
+from shared.redis_conn import connect_redis, connect_redis_sync, is_cluster_async, masked_url
 from shared.registry import ModelMeta
 from shared.settings import Settings
 
@@ -80,6 +84,11 @@ async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, flo
     """Metadata of ``model`` once a live worker serves it, the Redis clock's offset from
     this host's (ms) and the producer's tenant (:func:`resolve_tenant`); ``NoWorker`` after
     the timeout."""
+    with reaching(settings.redis_url):
+        return await _wait_for_model(settings, model)
+
+
+async def _wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, float, str]:
     keys = Keys(settings.key_prefix)
     await is_cluster_async(settings.redis_url)  # asked once per URL, without blocking the loop
     redis = connect_redis(settings.redis_url)
@@ -104,6 +113,11 @@ async def wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, flo
 
 def wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, float, str]:
     """:func:`wait_for_model`, blocking."""
+    with reaching(settings.redis_url):
+        return _wait_for_model_sync(settings, model)
+
+
+def _wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, float, str]:
     keys = Keys(settings.key_prefix)
     redis = connect_redis_sync(settings.redis_url)
     try:
@@ -127,15 +141,22 @@ def wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, floa
 
 def _no_worker(settings: Settings, model: str, known: list[str]) -> NoWorker:
     return NoWorker(
-        f"no live worker serves model {model!r} on {_safe_url(settings.redis_url)} "
+        f"no live worker serves model {model!r} on {masked_url(settings.redis_url)} "
         f"after {settings.connect_timeout_s:g}s; models seen: {known or 'none'}. "
         f"Start one: LMPOOL_MODEL=... arq worker.WorkerSettings"
     )
 
 
-def _safe_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+@contextmanager
+def reaching(url: str) -> Iterator[None]:
+    """Redis refusing or dropping the connection (or the credentials) while connecting raises
+    ``PoolUnreachable``, naming the URL (password masked) and where it came from."""
+    try:
+        yield
+    except LMPoolError:  # NoWorker is a TimeoutError, an OSError
+        raise
+    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        raise PoolUnreachable(
+            f"cannot reach the pool's Redis at {masked_url(url)} (LMPOOL_REDIS_URL, unless a URL "
+            f"was passed): {e}"
+        ) from e

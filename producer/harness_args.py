@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import LMPoolError, SettingsError
+from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import Keys
 from shared.redis_conn import masked_url
 from shared.settings import Settings
@@ -22,12 +22,6 @@ PREFLIGHT_TIMEOUT_S = 1.0
 PASSED_BY_LM_EVAL = ("batch_size", "max_batch_size", "device")
 """What lm-eval hands every model besides ``model_args``: accepted, not used (the workers batch,
 and the model runs on their devices)."""
-
-
-class PoolUnreachable(LMPoolError, ConnectionError):
-    """The Redis server named by ``redis_url`` does not answer."""
-
-    code = "unreachable"
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,12 @@ class QuotaExceeded(LMPoolError):
         self.retry_after_s = retry_after_s
 
 
+class PoolUnreachable(LMPoolError, ConnectionError):
+    """The pool's Redis does not answer: refused, timed out, or the credentials are refused."""
+
+    code = "unreachable"
+
+
 class WorkerError(LMPoolError, RuntimeError):
     """The worker failed while computing the request (the model raised)."""
 
@@ -111,6 +117,7 @@ _BY_CODE: dict[str, type[LMPoolError]] = {
         Expired,
         QueueFull,
         QuotaExceeded,
+        PoolUnreachable,
         WorkerError,
         DeadLettered,
     )

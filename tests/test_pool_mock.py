@@ -17,7 +17,7 @@ import torch
 from poolkit import redis_connections
 
 from producer import RemoteLM
-from shared.errors import InvalidRequest, NoWorker, RequestTimeout
+from shared.errors import InvalidRequest, LMPoolError, NoWorker, PoolUnreachable, RequestTimeout
 from shared.keys import Keys
 from shared.redis_conn import connect_redis_sync
 from worker.backends.mock import MockBackend
@@ -134,6 +134,38 @@ async def test_sampling_is_seeded_and_scoring_matches_logprobs(
 async def test_connect_without_worker_names_the_model(any_redis_url: str) -> None:
     with pytest.raises(NoWorker, match="mock-300"):
         await RemoteLM.connect(any_redis_url, model=MODEL, connect_timeout_s=0.3)
+
+
+@pytest.mark.asyncio
+async def test_connect_to_a_redis_that_does_not_answer_says_so_naming_the_url(
+    redis_url: str,
+) -> None:
+    """Refused (nothing listens) and refused credentials: ``PoolUnreachable`` (an lmpool error
+    and a ``ConnectionError``) at once, naming the URL with its password masked, in asyncio
+    and blocking use."""
+    from localpool.redis_server import free_port
+
+    port = urlparse(redis_url).port
+    cases = [
+        (f"redis://127.0.0.1:{free_port()}/0", "Error 111"),
+        (f"redis://nobody:s3cret@127.0.0.1:{port}/0", "redis://nobody:***@127.0.0.1"),
+    ]
+    for url, says in cases:
+        for blocking in (False, True):
+            t0 = time.monotonic()
+            with pytest.raises(PoolUnreachable) as caught:
+                if blocking:
+                    RemoteLM.from_name(MODEL, redis_url=url, connect_timeout_s=30)
+                else:
+                    await RemoteLM.connect(url, model=MODEL, connect_timeout_s=30)
+            message = str(caught.value)
+            assert isinstance(caught.value, LMPoolError) and isinstance(
+                caught.value, ConnectionError
+            )
+            assert message.startswith("cannot reach the pool's Redis at redis://"), message
+            assert says in message and "LMPOOL_REDIS_URL" in message, message
+            assert "s3cret" not in message
+            assert time.monotonic() - t0 < 5.0, "refused at once, not after connect_timeout_s"
 
 
 @pytest.mark.asyncio
