@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import registry
-from shared.errors import LMPoolError, NoWorker, PoolUnreachable, SettingsError
+from shared.errors import NoWorker, SettingsError
 from shared.keys import Keys, check_tenant
-from shared.redis_conn import connect_redis, connect_redis_sync, is_cluster_async, masked_url
+from shared.redis_conn import (
+    connect_redis,
+    connect_redis_sync,
+    is_cluster_async,
+    masked_url,
+    reaching,
+)
 from shared.registry import ModelMeta
 from shared.settings import Settings
 
@@ -145,18 +147,3 @@ def _no_worker(settings: Settings, model: str, known: list[str]) -> NoWorker:
         f"after {settings.connect_timeout_s:g}s; models seen: {known or 'none'}. "
         f"Start one: LMPOOL_MODEL=... arq worker.WorkerSettings"
     )
-
-
-@contextmanager
-def reaching(url: str) -> Iterator[None]:
-    """Redis refusing or dropping the connection (or the credentials) while connecting raises
-    ``PoolUnreachable``, naming the URL (password masked) and where it came from."""
-    try:
-        yield
-    except LMPoolError:  # NoWorker is a TimeoutError, an OSError
-        raise
-    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-        raise PoolUnreachable(
-            f"cannot reach the pool's Redis at {masked_url(url)} (LMPOOL_REDIS_URL, unless a URL "
-            f"was passed): {e}"
-        ) from e

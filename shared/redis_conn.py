@@ -12,7 +12,8 @@ safe to repeat.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -30,6 +31,8 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.errors import LMPoolError, PoolUnreachable
 
 TRANSIENT = (
     RedisConnectionError,
@@ -66,6 +69,22 @@ def masked_url(url: str) -> str:
     if (netloc, query) == (parts.netloc, parts.query):
         return url
     return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+@contextmanager
+def reaching(url: str) -> Iterator[None]:
+    """Redis refusing or dropping the connection (or the credentials) inside raises
+    ``PoolUnreachable``, naming the URL (password masked) and where it came from; lmpool's own
+    errors pass as they are."""
+    try:
+        yield
+    except LMPoolError:  # NoWorker is a TimeoutError, an OSError
+        raise
+    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        raise PoolUnreachable(
+            f"cannot reach the pool's Redis at {masked_url(url)} (LMPOOL_REDIS_URL, unless a URL "
+            f"was passed): {e}"
+        ) from e
 
 
 def is_cluster(url: str) -> bool:

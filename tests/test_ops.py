@@ -36,6 +36,28 @@ def status(url: str, *args: str) -> str:
     return out.stdout
 
 
+def test_status_without_redis_or_with_a_bad_setting_says_so_in_one_line() -> None:
+    """An operator's first mistakes: Redis not reachable (exit 1), an unknown variable (exit
+    2); one line on stderr naming it, no traceback."""
+    url = f"redis://:pw@127.0.0.1:{free_port()}/0"
+    cases = [
+        ({}, ["--redis-url", url], 1, f"redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]}"),
+        ({"LMPOOL_MAX_BATCH_SIZE": "8"}, [], 2, "did you mean LMPOOL_MAX_BATCH?"),
+    ]
+    for env, args, code, says in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "worker.status", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", **env},
+        )
+        assert out.returncode == code, out.stderr
+        assert out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("lmpool-status: ") and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and ":pw@" not in out.stderr
+
+
 @pytest.mark.asyncio
 async def test_status_and_metrics_on_a_live_pool(
     redis_url: str, workers: Callable[..., Any]

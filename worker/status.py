@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 from shared import registry
+from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import GROUP, Keys
-from shared.redis_conn import AnyRedis, connect_redis
+from shared.redis_conn import AnyRedis, connect_redis, reaching
 from shared.settings import Settings
 from worker.quota import read_quotas
 from worker.quota import render as render_quotas
@@ -189,7 +190,11 @@ async def run(url: str, prefix: str, watch_s: float, as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = Settings.from_env()
+    try:
+        settings = Settings.from_env()
+    except SettingsError as e:
+        print(f"lmpool-status: {e}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="lmpool-status", description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", default=settings.redis_url)
     parser.add_argument("--prefix", default=settings.key_prefix, help="key prefix (tenant)")
@@ -197,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
-        asyncio.run(run(args.redis_url, args.prefix, args.watch, args.json))
+        with reaching(args.redis_url):
+            asyncio.run(run(args.redis_url, args.prefix, args.watch, args.json))
     except KeyboardInterrupt:
         pass
+    except PoolUnreachable as e:
+        print(f"lmpool-status: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
