@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in run.stdout.splitlines()
         if line.startswith(("SMC", "   per", "   ready", "   the rows"))
     ]
-    print(f"$ python bench/smc_timeline.py --root {root} --steps {args.steps}")
+    shown = " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"$ python bench/smc_timeline.py {shown}  # code at {root}")
     print(*summary, sep="\n")
     submits = [t for t, name in events if name == "P submit >"]
     rows = {

