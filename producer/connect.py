@@ -4,6 +4,7 @@ worker of the model, and its metadata (which carries everything a producer needs
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -21,6 +22,10 @@ from shared.redis_conn import (
 )
 from shared.registry import ModelMeta
 from shared.settings import Settings
+
+log = logging.getLogger("lmpool.producer")
+WARN_AFTER_S = 1.0
+"""A connect still waiting for a worker after this long says so, once (a log warning)."""
 
 
 def resolve_settings(
@@ -96,7 +101,8 @@ async def _wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, fl
     redis = connect_redis(settings.redis_url)
     try:
         tenant = resolve_tenant(settings.tenant, await acl_user(redis))
-        deadline = time.monotonic() + settings.connect_timeout_s
+        started = time.monotonic()
+        deadline, warned = started + settings.connect_timeout_s, False
         while True:
             if await registry.live_workers(redis, keys, model):
                 meta = await registry.read_meta(redis, keys, model)
@@ -105,9 +111,12 @@ async def _wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, fl
                     seconds, micros = await redis.time()
                     offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
                     return meta, offset, tenant
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline or (not warned and now >= started + WARN_AFTER_S):
                 known = sorted(m.decode() for m in await redis.smembers(keys.models))  # type: ignore[misc]
-                raise _no_worker(settings, model, known)
+                if now >= deadline:
+                    raise _no_worker(settings, model, known)
+                warned = _warn_waiting(settings, model, known)
             await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
@@ -124,7 +133,8 @@ def _wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, flo
     redis = connect_redis_sync(settings.redis_url)
     try:
         tenant = resolve_tenant(settings.tenant, acl_user_sync(redis))
-        deadline = time.monotonic() + settings.connect_timeout_s
+        started = time.monotonic()
+        deadline, warned = started + settings.connect_timeout_s, False
         while True:
             alive = redis.zrangebyscore(keys.workers(model), registry.now_ms(), "+inf")
             raw: Any = redis.hgetall(keys.meta(model)) if alive else None
@@ -133,12 +143,31 @@ def _wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, flo
                 seconds, micros = redis.time()
                 offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
                 return registry.parse_meta(raw), offset, tenant
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline or (not warned and now >= started + WARN_AFTER_S):
                 known = sorted(m.decode() for m in redis.smembers(keys.models))
-                raise _no_worker(settings, model, known)
+                if now >= deadline:
+                    raise _no_worker(settings, model, known)
+                warned = _warn_waiting(settings, model, known)
             time.sleep(0.1)
     finally:
         redis.close()
+
+
+def _warn_waiting(settings: Settings, model: str, known: list[str]) -> bool:
+    """Say once why a connect is still waiting: no live worker of ``model``, and whether one
+    ever served it here (a misspelled model name shows at once, not after the timeout)."""
+    where = masked_url(settings.redis_url)
+    if model in known:
+        why = f"no live worker of model {model!r} on {where} (one has served it before)"
+    else:
+        why = f"no worker has served model {model!r} on {where}; models there: {known or 'none'}"
+    log.warning(
+        "%s; waiting up to %gs (LMPOOL_CONNECT_TIMEOUT_S) for one",
+        why,
+        settings.connect_timeout_s,
+    )
+    return True
 
 
 def _no_worker(settings: Settings, model: str, known: list[str]) -> NoWorker:

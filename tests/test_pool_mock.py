@@ -137,6 +137,34 @@ async def test_connect_without_worker_names_the_model(any_redis_url: str) -> Non
 
 
 @pytest.mark.asyncio
+async def test_a_connect_still_waiting_says_why_once_long_before_its_timeout(
+    any_redis_url: str, mock_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misspelled model name: one warning after ~1 s naming the models the pool has served
+    (asyncio and blocking), then ``NoWorker`` at the timeout; a connect that finds its worker
+    says nothing."""
+    caplog.set_level("WARNING", logger="lmpool.producer")
+    async with await RemoteLM.connect(any_redis_url, model=MODEL):
+        pass
+    assert not caplog.records, "no warning when the worker is there"
+    for blocking in (False, True):
+        caplog.clear()
+        t0, t0_wall = time.monotonic(), time.time()
+        with pytest.raises(NoWorker, match="mock-3OO"):
+            if blocking:
+                RemoteLM.from_name("mock-3OO", redis_url=any_redis_url, connect_timeout_s=2.5)
+            else:
+                await RemoteLM.connect(any_redis_url, model="mock-3OO", connect_timeout_s=2.5)
+        assert time.monotonic() - t0 >= 2.5
+        (record,) = caplog.records
+        message = record.getMessage()
+        assert record.levelname == "WARNING"
+        assert "no worker has served model 'mock-3OO'" in message, message
+        assert f"models there: ['{MODEL}']" in message and "waiting up to 2.5s" in message
+        assert 0.9 <= record.created - t0_wall < 2.0, "said after about a second, once"
+
+
+@pytest.mark.asyncio
 async def test_connect_to_a_redis_that_does_not_answer_says_so_naming_the_url(
     redis_url: str,
 ) -> None:
