@@ -32,7 +32,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.errors import LMPoolError, PoolUnreachable
+from shared.errors import PoolUnreachable
 
 TRANSIENT = (
     RedisConnectionError,
@@ -78,9 +78,7 @@ def reaching(url: str) -> Iterator[None]:
     errors pass as they are."""
     try:
         yield
-    except LMPoolError:  # NoWorker is a TimeoutError, an OSError
-        raise
-    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+    except (RedisConnectionError, RedisTimeoutError) as e:  # redis-py wraps socket errors
         raise PoolUnreachable(
             f"cannot reach the pool's Redis at {masked_url(url)} (LMPOOL_REDIS_URL, unless a URL "
             f"was passed): {e}"

@@ -58,6 +58,25 @@ def test_status_without_redis_or_with_a_bad_setting_says_so_in_one_line() -> Non
         assert "Traceback" not in out.stderr and ":pw@" not in out.stderr
 
 
+def test_status_watched_through_a_pipe_that_closes_ends_quietly(redis_url: str) -> None:
+    """``lmpool-status --watch 1 | head -1``: the closed pipe ends it with exit 0 and nothing on
+    stderr (it is not Redis' fault); a negative interval is refused."""
+    cmd = [sys.executable, "-m", "worker.status", "--redis-url", redis_url]
+    proc = subprocess.Popen(
+        [*cmd, "--watch", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()  # the first refresh
+    proc.stdout.close()
+    assert proc.wait(timeout=30) == 0
+    assert proc.stderr.read() == b""
+    bad = subprocess.run([*cmd, "--watch", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--watch -1" in bad.stderr, bad.stderr
+
+
 @pytest.mark.asyncio
 async def test_status_and_metrics_on_a_live_pool(
     redis_url: str, workers: Callable[..., Any]

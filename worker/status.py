@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -201,11 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.watch < 0:
+        parser.error(f"--watch {args.watch:g}: seconds between refreshes, 0 (print once) or more")
     try:
         with reaching(args.redis_url):
             asyncio.run(run(args.redis_url, args.prefix, args.watch, args.json))
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:  # the reader went away (``| head``): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except PoolUnreachable as e:
         print(f"lmpool-status: {e}", file=sys.stderr)
         return 1
