@@ -303,10 +303,16 @@ class RemoteLM(AdapterMethods):
         seed: int | None = None,
         lora_name: str | None = None,
     ) -> list[list[int]]:
-        """:meth:`sample` for each prompt, as one call (one quota admission for all)."""
-        params = sample_params(max_tokens, eos_token_ids, temperature, seed)
+        """:meth:`sample` for each prompt, as one call (one quota admission for all). As in
+        genlm-backend (a gather of :meth:`sample` calls), one seed serves every prompt, and
+        without one each prompt draws anew: the same prompt twice gives two draws."""
         lora = await self._adapter(lora_name) if lora_name is not None else None
-        prepared = [self._prepare("sample", ids, lora, params) for ids in prompt_token_ids_list]
+        prepared = [
+            self._prepare(
+                "sample", ids, lora, sample_params(max_tokens, eos_token_ids, temperature, seed)
+            )
+            for ids in prompt_token_ids_list
+        ]
         return [[int(t) for t in tokens.tolist()] for tokens in await self._calls(prepared)]
 
     async def score(

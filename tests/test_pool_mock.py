@@ -131,6 +131,19 @@ async def test_sampling_is_seeded_and_scoring_matches_logprobs(
 
 
 @pytest.mark.asyncio
+async def test_batch_sample_without_a_seed_draws_each_prompt_anew(
+    any_redis_url: str, mock_worker: Any
+) -> None:
+    """The same prompt four times: four independent draws without a seed (as four ``sample``
+    calls), four equal ones with a seed, each equal to ``sample`` with that seed."""
+    async with await RemoteLM.connect(any_redis_url, model=MODEL) as lm:
+        free = await lm.batch_sample([[7, 8, 9]] * 4, 12, [V - 1])
+        assert len({tuple(d) for d in free}) == 4, free
+        seeded = await lm.batch_sample([[7, 8, 9]] * 4, 12, [V - 1], seed=3)
+        assert seeded == [await lm.sample([7, 8, 9], 12, [V - 1], seed=3)] * 4
+
+
+@pytest.mark.asyncio
 async def test_connect_without_worker_names_the_model(any_redis_url: str) -> None:
     with pytest.raises(NoWorker, match="mock-300"):
         await RemoteLM.connect(any_redis_url, model=MODEL, connect_timeout_s=0.3)
