@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared import protocol
 from shared.errors import InvalidRequest
 
 TOKENIZE_HINT = "tokenize text first, e.g. lm.tokenizer.encode(text)"
@@ -61,7 +62,7 @@ def sample_params(
     max_tokens: int, eos_token_ids: Sequence[int], temperature: float, seed: int | None
 ) -> dict[str, Any]:
     try:
-        return {
+        params: dict[str, Any] = {
             "max_tokens": int(max_tokens),
             "eos": [int(t) for t in eos_token_ids],
             "temperature": float(temperature),
@@ -72,3 +73,8 @@ def sample_params(
             "max_tokens, temperature and seed must be numbers, eos_token_ids a list of token "
             f"ids: {e}"
         ) from None
+    if not 0 <= params["max_tokens"] <= protocol.MAX_SAMPLE_TOKENS:
+        raise InvalidRequest(
+            f"max_tokens must be an int in [0, {protocol.MAX_SAMPLE_TOKENS}], got {max_tokens!r}"
+        )
+    return params

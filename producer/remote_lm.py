@@ -189,10 +189,14 @@ class RemoteLM(AdapterMethods):
     ) -> Prepared:
         """Checked, encoded, addressed and routed: everything but the deadline."""
         ids = token_array(token_ids, self.vocab_size)
-        if len(ids) + extra_tokens > self.prompt_limit:
-            what = "prompt and continuation (less its last token)" if kind == "score" else "prompt"
+        read, what = len(ids) + extra_tokens, "prompt"  # all the model reads
+        if kind == "score":
+            what = "prompt and continuation (less its last token)"
+        elif kind == "sample":
+            read, what = read + max(0, params["max_tokens"] - 1), "prompt and max_tokens - 1"
+        if read > self.prompt_limit:
             raise InvalidRequest(
-                f"{what} of {len(ids) + extra_tokens} tokens exceeds the limit of "
+                f"{what} of {read} tokens exceeds the limit of "
                 f"{self.prompt_limit} (the model's context, or LMPOOL_MAX_PROMPT_TOKENS)"
             )
         size = protocol.message_bytes(len(ids) + extra_tokens)

@@ -20,6 +20,8 @@ from shared.errors import LMPoolError, ProtocolError, WireError, error_from_wire
 
 PROTOCOL_VERSION = 2
 KINDS = ("logprobs", "sample", "score", "cache_kv")
+MAX_SAMPLE_TOKENS = 1_000_000
+"""The most ``max_tokens`` a ``sample`` request may ask for (the model's context caps it too)."""
 MESSAGE_FIELD = b"m"
 """Stream entry field that holds the encoded request."""
 DIGEST_FIELD = b"d"

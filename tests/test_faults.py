@@ -209,6 +209,32 @@ async def test_too_long_prompts_fail_at_the_producer_at_once(
 
 
 @pytest.mark.asyncio
+async def test_a_sample_longer_than_the_context_is_refused_stating_the_limits(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A generation reads its prompt and every token it draws but the last: past the model's
+    context it is refused before anything is sent, and by the worker when a producer does not
+    check (its limit raised here); ``max_tokens`` past the protocol's bound names the bound."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
+        limit = lm.prompt_limit
+        started = time.monotonic()
+        with pytest.raises(
+            InvalidRequest, match=f"prompt and max_tokens - 1 of {limit + 1} tokens exceeds"
+        ):
+            await lm.sample([1, 2], limit, [V - 1])
+        with pytest.raises(InvalidRequest, match=r"max_tokens must be an int in \[0, 1000000\]"):
+            await lm.batch_sample([[1]], 10**9, [V - 1])
+        assert time.monotonic() - started < 1.0
+        assert len(await lm.sample([1, 2], limit - 1, [V - 1], seed=0)) <= limit - 1
+        lm.prompt_limit = 10**9  # as a producer that does not check
+        with pytest.raises(
+            InvalidRequest, match=f"of {limit + 1} tokens exceeds the limit of {limit}"
+        ):
+            await lm.sample([1, 2], limit, [V - 1])
+
+
+@pytest.mark.asyncio
 async def test_a_full_queue_rejects_new_requests_clearly(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

@@ -161,14 +161,17 @@ class Backend(ABC):
         self._decoded_last = False
 
     # -- validation shared by every backend ---------------------------------------------
-    def check_prompt(self, n_tokens: int, lora: str | None, max_prompt_tokens: int) -> None:
-        """Raise ``InvalidRequest`` for a prompt the model cannot take: too long, or an unknown
-        adapter (the worker has already checked each id against the vocabulary)."""
+    def check_prompt(
+        self, n_tokens: int, lora: str | None, max_prompt_tokens: int, what: str = "prompt"
+    ) -> None:
+        """Raise ``InvalidRequest`` for a prompt the model cannot take: too long (``n_tokens``:
+        all the model reads, ``what`` says of what), or an unknown adapter (the worker has
+        already checked each id against the vocabulary)."""
         if n_tokens < 1:
             raise InvalidRequest("empty prompt: at least one token id is needed")
         limit = self.prompt_limit(max_prompt_tokens)
         if n_tokens > limit:
-            raise InvalidRequest(f"prompt of {n_tokens} tokens exceeds the limit of {limit}")
+            raise InvalidRequest(f"{what} of {n_tokens} tokens exceeds the limit of {limit}")
         if lora is not None and lora not in self.info["adapters"]:
             known = ", ".join(self.info["adapters"]) or "none"
             raise UnknownAdapter(f"unknown LoRA adapter {lora!r}; loaded: {known}")

@@ -143,9 +143,11 @@ class Batcher:
             raise InvalidRequest(f"unknown request kind {kind!r}")
         ids = np.frombuffer(req["ids"], "<i4")
         check_ids(ids, backend.info["vocab_size"])
-        extra = 0
+        extra, what = 0, "prompt"
         if kind == "sample":
             check_sample_params(params, backend.info["vocab_size"])
+            # the model reads the prompt and every token drawn but the last
+            extra, what = max(0, params["max_tokens"] - 1), "prompt and max_tokens - 1"
         elif kind == "score":
             cont = params.get("cont")
             if set(params) - {"cont", "greedy"} or not isinstance(cont, list) or not cont:
@@ -156,6 +158,7 @@ class Batcher:
                 raise InvalidRequest(f"score's greedy must be a bool, got {params['greedy']!r}")
             check_ids(_int_array(cont), backend.info["vocab_size"])
             extra = len(cont) - 1  # the model reads the continuation but its last token
+            what = "prompt and continuation (less its last token)"
         elif kind == "cache_kv":
             if set(params) - {"pin"} or not isinstance(params.get("pin", True), bool):
                 raise InvalidRequest(f"cache_kv takes only pin (a bool), got {sorted(params)}")
@@ -163,7 +166,7 @@ class Batcher:
             raise InvalidRequest(f"{kind} takes no parameters, got {sorted(params)}")
         # a run-time adapter is checked (and loaded) by the consumer, see worker.adapters
         lora = None if is_runtime_adapter(req["lora"]) else req["lora"]
-        backend.check_prompt(len(ids) + extra, lora, self.settings.max_prompt_tokens)
+        backend.check_prompt(len(ids) + extra, lora, self.settings.max_prompt_tokens, what)
         expected = request_digest(
             backend.info["fingerprint"],
             kind,
@@ -211,8 +214,10 @@ def _int_array(values: list[Any]) -> np.ndarray:
 def check_sample_params(params: dict[str, Any], vocab_size: int) -> None:
     max_tokens, eos = params.get("max_tokens"), params.get("eos")
     temperature, seed = params.get("temperature"), params.get("seed")
-    if type(max_tokens) is not int or not 0 <= max_tokens <= 1_000_000:
-        raise InvalidRequest(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+    if type(max_tokens) is not int or not 0 <= max_tokens <= protocol.MAX_SAMPLE_TOKENS:
+        raise InvalidRequest(
+            f"max_tokens must be an int in [0, {protocol.MAX_SAMPLE_TOKENS}], got {max_tokens!r}"
+        )
     if not isinstance(eos, list) or not all(type(t) is int for t in eos):
         raise InvalidRequest("eos_token_ids must be a list of ints")
     if not isinstance(temperature, (int, float)) or not temperature >= 0:
