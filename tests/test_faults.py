@@ -143,6 +143,26 @@ async def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_pending(
 
 
 @pytest.mark.asyncio
+async def test_a_generation_whose_asker_gave_up_stops_and_sigterm_is_prompt(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A 60,000-token sample (~3 ms a token here: minutes) whose asker times out after 1 s stops
+    at its deadline, between two tokens: the worker answers ``Expired``, serves on, and a
+    SIGTERM then stops it in seconds with nothing pending."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=3)
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=1.0) as lm:
+        with pytest.raises(RequestTimeout):
+            await lm.sample([1, 2], 60_000, [], seed=1)
+        await asyncio.sleep(1.0)  # past the deadline: the generation has stopped
+        assert torch.equal(await lm.next_token_logprobs([3, 4]), reference([3, 4]))
+    started = time.monotonic()
+    assert await asyncio.to_thread(w.terminate, 20) == 0, w.log()
+    assert time.monotonic() - started < 10
+    assert "generation(s) stopped: their askers' deadlines passed" in w.log()
+    assert pending_count(redis_url) == 0
+
+
+@pytest.mark.asyncio
 async def test_malformed_messages_are_dead_lettered_and_the_worker_carries_on(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

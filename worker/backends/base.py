@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,6 +256,18 @@ class Backend(ABC):
 
     def has_work(self) -> bool:
         return bool(self._queued or self._running)
+
+    def drop_generations(self, gone: Callable[[Work], bool]) -> list[Work]:
+        """Forget the ``sample`` works, queued or running, for which ``gone(work)`` holds (their
+        askers gave up); returns them, unanswered. Engines with a scheduler of their own
+        (vLLM) keep theirs: nothing is returned."""
+        dropped = [g.work for g in self._running if gone(g.work)]
+        dropped += [w for w in self._queued if w.kind == "sample" and gone(w)]
+        if dropped:
+            ids = {id(w) for w in dropped}
+            self._running = [g for g in self._running if id(g.work) not in ids]
+            self._queued = [w for w in self._queued if id(w) not in ids]
+        return dropped
 
     def abandon(self) -> None:
         """Forget every queued and running work: a step failed as a whole, and the worker

@@ -194,6 +194,7 @@ class Compute:
         started = time.monotonic()
         try:
             async with self.lock:
+                self._drop_given_up_generations()
                 if self.step_s < INLINE_STEP_S:
                     works = self._step()  # cheaper than handing it to the thread and back
                 else:
@@ -264,6 +265,35 @@ class Compute:
             self.active.pop(job.digest, None)
         self.on_finished(expired)
         return [j for j in jobs if j.work is not None]
+
+    def _drop_given_up_generations(self) -> None:
+        """Generations (``sample``) whose deadline has passed stop between two tokens,
+        answered ``Expired``: their askers have given up, and a long one would otherwise run on
+        (and hold a stopping worker) for nothing."""
+        now_ms = self.now_ms()
+
+        def gone(work: Work) -> bool:
+            job = work.tag
+            return (
+                isinstance(job, Job)
+                and job.request is not None
+                and (job.request["deadline_ms"] < now_ms)
+            )
+
+        dropped = [w.tag for w in self.backend.drop_generations(gone)]
+        for job in dropped:
+            assert isinstance(job, Job) and job.request is not None
+            late_ms = now_ms - job.request["deadline_ms"]
+            job.fail(
+                Expired(f"stopped unfinished: its deadline passed {late_ms:.0f} ms ago"), "expired"
+            )
+            if job.work is not None:
+                job.work.tag = None
+            job.work = None
+            self.active.pop(job.digest, None)
+        if dropped:
+            log.info("%d generation(s) stopped: their askers' deadlines passed", len(dropped))
+            self.on_finished(dropped)
 
     def written(self) -> None:
         """A batch of answers is written: what the backend's steps left for later (the hf KV
