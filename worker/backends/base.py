@@ -258,9 +258,8 @@ class Backend(ABC):
         return bool(self._queued or self._running)
 
     def drop_generations(self, gone: Callable[[Work], bool]) -> list[Work]:
-        """Forget the ``sample`` works, queued or running, for which ``gone(work)`` holds (their
-        askers gave up); returns them, unanswered. Engines with a scheduler of their own
-        (vLLM) keep theirs: nothing is returned."""
+        """Forget the ``sample`` works for which ``gone(work)`` holds (their askers gave up);
+        returns them unanswered. vLLM's own scheduler keeps its: nothing is returned."""
         dropped = [g.work for g in self._running if gone(g.work)]
         dropped += [w for w in self._queued if w.kind == "sample" and gone(w)]
         if dropped:
