@@ -196,6 +196,7 @@ class Settings:
             "max_wait_ms", "max_prompt_tokens", "metrics_port", "steal_after_ms", "torch_threads"
         ):  # fmt: skip
             _check(getattr(self, name) >= 0, f"LMPOOL_{name.upper()} must be >= 0")
+        _check(self.metrics_port <= 65535, "LMPOOL_METRICS_PORT must be a TCP port, 0 to 65535")
         _check(
             self.quantization in QUANTIZATIONS,
             f"LMPOOL_QUANTIZATION must be one of {QUANTIZATIONS}",

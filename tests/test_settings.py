@@ -128,6 +128,44 @@ def test_a_bad_variable_stops_the_worker_with_one_line() -> None:
     )
 
 
+def test_what_the_machine_lacks_stops_the_worker_naming_the_setting(
+    redis_url: str, tiny_llama: Path
+) -> None:
+    """Found at start-up, after the settings parsed: no CUDA for LMPOOL_DEVICE=cuda, an engine
+    not installed, an adapter not there, a metrics port taken or out of range. Each: exit
+    status 2, the variable named, no traceback."""
+    import importlib.util
+    import socket
+
+    import torch
+
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    base = {"LMPOOL_REDIS_URL": redis_url}
+    mock = {**base, "LMPOOL_BACKEND": "mock"}
+    cases = [
+        ({**mock, "LMPOOL_METRICS_PORT": "70000"}, "LMPOOL_METRICS_PORT must be a TCP port"),
+        ({**mock, "LMPOOL_METRICS_PORT": str(port)}, f"LMPOOL_METRICS_PORT={port}: cannot serve"),
+        (
+            {**base, "LMPOOL_MODEL": str(tiny_llama), "LMPOOL_LORA": "style=/nonexistent/adapter"},
+            "LMPOOL_LORA: adapter 'style' from '/nonexistent/adapter'",
+        ),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(({**base, "LMPOOL_DEVICE": "cuda"}, "LMPOOL_DEVICE=cuda, but torch"))
+    if importlib.util.find_spec("vllm") is None:
+        cases.append(({**base, "LMPOOL_BACKEND": "vllm"}, "LMPOOL_BACKEND=vllm needs vLLM"))
+    try:
+        for env, says in cases:
+            res = _start_worker(**env)
+            assert res.returncode == 2, (env, res.stderr[-2000:])
+            assert says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    finally:
+        taken.close()
+
+
 def test_a_missing_model_stops_the_worker_naming_the_setting(redis_url: str) -> None:
     """Found once the worker looks for the model (after arq connected): logged, exit status 2."""
     res = _start_worker(LMPOOL_REDIS_URL=redis_url, LMPOOL_MODEL="/nonexistent/model")

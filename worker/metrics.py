@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from shared.errors import SettingsError
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -77,8 +79,13 @@ class Metrics:
         self._server: Any = None
 
     def serve(self, port: int) -> None:
-        """Expose ``/metrics`` on ``port`` (all interfaces)."""
-        self._server, _ = start_http_server(port, registry=self.registry)
+        """Expose ``/metrics`` on ``port`` (all interfaces); a port taken is a setting error."""
+        try:
+            self._server, _ = start_http_server(port, registry=self.registry)
+        except OSError as e:
+            raise SettingsError(
+                f"LMPOOL_METRICS_PORT={port}: cannot serve metrics there: {e}"
+            ) from None
 
     def close(self) -> None:
         if self._server is not None:

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, SettingsError
 from shared.settings import Settings
 from worker.backends.base import Backend, describe_model, with_greedy
 from worker.backends.hf import attention
@@ -268,10 +268,15 @@ def load_adapters(backend: HFBackend, adapters: dict[str, str]) -> set[str]:
     except ImportError as e:  # pragma: no cover - peft is a declared dependency of LoRA use
         raise ImportError("LoRA adapters need peft: pip install peft") from e
     items = list(adapters.items())
-    first_name, first_path = items[0]
-    model = PeftModel.from_pretrained(backend.model, first_path, adapter_name=first_name)
-    for name, path in items[1:]:
-        model.load_adapter(path, adapter_name=name)
+    model: Any = None
+    for name, path in items:
+        try:
+            if model is None:
+                model = PeftModel.from_pretrained(backend.model, path, adapter_name=name)
+            else:
+                model.load_adapter(path, adapter_name=name)
+        except (OSError, ValueError) as e:  # no adapter there (peft says which file)
+            raise SettingsError(f"LMPOOL_LORA: adapter {name!r} from {path!r}: {e}") from None
     model.eval()
     backend.model = model
     return set(adapters)
