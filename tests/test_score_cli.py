@@ -189,6 +189,35 @@ def test_top_k_sample_and_score_modes(redis_url: str, tmp_path: Path) -> None:
     asyncio.run(direct(redis_url, check))
 
 
+def test_a_resume_with_other_settings_is_refused(redis_url: str, tmp_path: Path) -> None:
+    """One output never mixes settings: resuming a sample run with another --max-tokens or
+    --seed, a top-k run with another k, or any run in another mode stops with exit status 2
+    and the output as it was; the same settings resume (all lines skipped)."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"ids": prompt(i)} for i in range(10)])
+    gen, top = tmp_path / "gen.jsonl", tmp_path / "top.jsonl"
+    sample = ("--mode", "sample", "--max-tokens", 4, "--seed", 1)
+    assert run_cli(redis_url, inp, gen, *sample).returncode == 0
+    assert run_cli(redis_url, inp, top, "--top-k", 5).returncode == 0
+    before = gen.read_bytes(), top.read_bytes()
+    refused = [
+        (gen, ("--mode", "sample", "--max-tokens", 5, "--seed", 1), "max_tokens 4 there, 5 now"),
+        (gen, ("--mode", "sample", "--max-tokens", 4, "--seed", 2), "seed 1 there, 2 now"),
+        (gen, ("--mode", "sample", "--max-tokens", 4), "seed 1 there, None now"),
+        (gen, ("--mode", "score"), "another mode"),
+        (top, ("--top-k", 3), "holds top-5 lines"),
+    ]
+    for out, args, says in refused:
+        res = run_cli(redis_url, inp, out, *args)
+        assert res.returncode == 2 and says in res.stderr, (args, res.stderr)
+    assert (gen.read_bytes(), top.read_bytes()) == before
+    again = run_cli(redis_url, inp, gen, *sample)
+    assert again.returncode == 0 and "10 skipped" in again.stdout, again.stdout + again.stderr
+    assert json.loads((tmp_path / "gen.jsonl.run.json").read_text()) == {
+        "model": MODEL, "mode": "sample", "top_k": None, "max_tokens": 4, "temperature": 1.0,
+        "seed": 1,
+    }  # fmt: skip
+
+
 def test_bad_lines_fail_alone_and_are_retried(redis_url: str, tmp_path: Path) -> None:
     rows: list[Any] = [{"id": f"r{i}", "ids": prompt(i)} for i in range(20)]
     rows[7] = {"id": "oov", "ids": [5, V]}

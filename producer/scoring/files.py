@@ -1,8 +1,10 @@
 """The files of one output ``OUT``: where they are, and reading a JSONL one back.
 
-``OUT`` (JSONL, one line per finished input line), ``OUT.errors.jsonl`` (the lines that failed)
-and, for full vectors, the ``.npy`` shards in ``OUT.d/``. Every JSONL file is append-only and
-written a whole line at a time, so a kill can only leave a torn last line.
+``OUT`` (JSONL, one line per finished input line), ``OUT.errors.jsonl`` (the lines that failed),
+``OUT.run.json`` (what its lines were computed with: the model, the mode and the settings that
+decide a line's result) and, for full vectors, the ``.npy`` shards in ``OUT.d/``. Every JSONL
+file is append-only and written a whole line at a time, so a kill can only leave a torn last
+line.
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ from shared.errors import LMPoolError
 
 SHARD_DIR_SUFFIX = ".d"
 ERRORS_SUFFIX = ".errors.jsonl"
+RUN_SUFFIX = ".run.json"
 
 
 class OutputError(LMPoolError):
-    """The output cannot be resumed: another mode, a shard that disagrees with its index, or
-    another run writing it."""
+    """The output cannot be resumed: another mode or other settings, a shard that disagrees
+    with its index, or another run writing it."""
 
 
 def errors_path(output_path: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(output_path)}{ERRORS_SUFFIX}")
+
+
+def run_path(output_path: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(output_path)}{RUN_SUFFIX}")
 
 
 def shard_dir(output_path: str | os.PathLike[str]) -> Path:

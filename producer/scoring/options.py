@@ -41,6 +41,14 @@ class ScoreOptions:
         return self.mode == "logprobs" and self.top_k is None
 
     @property
+    def decisive(self) -> dict[str, object]:
+        """The settings that decide a line's result (a resumed output must keep them)."""
+        out: dict[str, object] = {"mode": self.mode, "top_k": self.top_k}
+        if self.mode == "sample":
+            out.update(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed)
+        return out
+
+    @property
     def signature(self) -> str:
         """The field every output line of this mode has (checked when resuming)."""
         if self.full_vectors:

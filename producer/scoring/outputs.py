@@ -9,7 +9,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from producer.scoring.files import OutputError, read_jsonl, shard_dir
+from producer.scoring.files import OutputError, read_jsonl, run_path, shard_dir
 from producer.scoring.options import Key, ScoreOptions
 from producer.scoring.shards import ShardStore
 
@@ -17,7 +17,13 @@ from producer.scoring.shards import ShardStore
 class Output:
     """The output of one run: locked, repaired, and the ids already done."""
 
-    def __init__(self, path: str | os.PathLike[str], options: ScoreOptions, vocab_size: int):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        options: ScoreOptions,
+        vocab_size: int,
+        model: str | None = None,
+    ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
@@ -34,6 +40,7 @@ class Output:
                 k = min(options.top_k, vocab_size)
                 if len(records[0]["top_ids"]) != k:
                     raise OutputError(f"{self.path} holds top-{len(records[0]['top_ids'])} lines")
+            _keep_run_settings(self.path, {"model": model, **options.decisive}, bool(records))
             self.done: set[Key] = {r["id"] for r in records}
             self.shards = (
                 ShardStore(shard_dir(self.path), vocab_size, options.shard_rows, records)
@@ -58,6 +65,26 @@ class Output:
         if self.shards is not None:
             self.shards.close()
         self.file.close()
+
+
+def _keep_run_settings(path: Path, settings: dict[str, Any], resuming: bool) -> None:
+    """Record what ``path``'s lines are computed with; resuming with anything else (another
+    model, ``--max-tokens``, ``--temperature``, ``--seed``, ``--top-k``) is refused, so that
+    one output never mixes them. An output without a record (none written yet) gets one."""
+    record = run_path(path)
+    if resuming and record.exists():
+        before = json.loads(record.read_text())
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            said = ", ".join(f"{k} {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+            raise OutputError(
+                f"{path} was computed with other settings ({said}); resume it with the same "
+                "ones, or pick another output"
+            )
+        return
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=1) + "\n")
+    os.replace(tmp, record)
 
 
 def _lock(f: IO[bytes], path: Path) -> None:

@@ -115,7 +115,7 @@ async def score_jsonl(
     stats = stats if stats is not None else ScoreStats()
     # Reading back a long output or counting a long input would stall the event loop (in a
     # worker: its heartbeat), so both run in a thread.
-    output = await asyncio.to_thread(Output, output_path, options, lm.vocab_size)
+    output = await asyncio.to_thread(Output, output_path, options, lm.vocab_size, lm.model)
     err_path = errors_path(output_path)
     try:
         errors = open(err_path, "wb")  # noqa: SIM115 - closed below
