@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from producer.adapters import AdapterMethods, AdapterNames
-from producer.background import awaitable, nothing, run_or_schedule
+from producer.background import awaitable, run_or_thread
 from producer.cache import OutputCache
 from producer.calls import Calls
 from producer.client import PoolClient, Prepared
@@ -348,8 +348,9 @@ class RemoteLM(AdapterMethods):
         from eviction there (genlm's ``cache_kv``; a plain method, as there).
 
         Without a running event loop it blocks and returns True if a worker pinned it (the hf
-        backend's KV cache). Inside one it starts a task and returns it (``await`` it for the
-        answer; if nobody does, a failure is logged): it never blocks the loop.
+        backend's KV cache). Inside one it runs in a thread of the loop's default executor and
+        returns its future (``await`` it for the answer; if nobody does, it still runs to its
+        end, even past the loop's, and a failure is logged): it never blocks the loop.
         """
         ids = token_array(prompt_tokens, self.vocab_size)  # bad ids fail here, at once
 
@@ -358,32 +359,31 @@ class RemoteLM(AdapterMethods):
             self._pinned[(prepared.request["ids"], lora)] = prepared.shard
             return prepared
 
-        async def pin() -> bool:
-            lora = await self._adapter(lora_name) if lora_name is not None else None
-            return bool((await self._call(prepare(lora))).item())
+        # the base model's pin is filed at once: a clear_kv_cache() right after unpins it
+        ready = prepare(None) if lora_name is None else None
 
         def pin_now() -> bool:
-            prepared = prepare(self._adapter_sync(lora_name))
+            prepared = ready or prepare(self._adapter_sync(lora_name))
             return bool(self._call_sync([prepared])[0].item())
 
-        return run_or_schedule(pin, pin_now)
+        return run_or_thread(pin_now)
 
     def clear_kv_cache(self) -> Any:
         """Unpin every prefix this object pinned with ``cache_kv``: the workers may evict them
-        again (genlm's ``clear_kv_cache``). Blocking without a loop, a task inside one."""
+        again (genlm's ``clear_kv_cache``). Blocking without a loop; inside one, in a thread,
+        as ``cache_kv``."""
         pins, self._pinned = dict(self._pinned), {}
         prepared = []
         for (ids, lora), shard in pins.items():
             p = self._prepare("cache_kv", np.frombuffer(ids, "<i4"), lora, {"pin": False})
             p.shard = shard  # where it was pinned, whatever the affinity
             prepared.append(p)
-        if not prepared:
-            return run_or_schedule(nothing, lambda: None)
 
-        async def unpin() -> None:
-            await self._calls(prepared)
+        def unpin() -> None:
+            if prepared:
+                self._call_sync(prepared)
 
-        return run_or_schedule(unpin, lambda: self._call_sync(prepared) and None)
+        return run_or_thread(unpin)
 
     def set_lora(self, lora_path: Any, lora_name: Any) -> None:
         """Removed in genlm-backend 0.3.1, as here: adapters are chosen per call."""

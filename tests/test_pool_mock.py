@@ -143,6 +143,27 @@ async def test_batch_sample_without_a_seed_draws_each_prompt_anew(
         assert seeded == [await lm.sample([7, 8, 9], 12, [V - 1], seed=3)] * 4
 
 
+def test_cache_kv_not_awaited_runs_to_its_end_past_its_loop(
+    any_redis_url: str, mock_worker: Any
+) -> None:
+    """genlm-style ``lm.cache_kv(prefix)`` inside a coroutine, never awaited, in a loop that
+    ends at once (``asyncio.run``): the pin still reaches the worker and answers (the mock has
+    no KV cache: False), and so does ``clear_kv_cache``; nothing is cancelled."""
+    lm = RemoteLM.from_name(MODEL, redis_url=any_redis_url)
+    try:
+
+        async def hint() -> Any:
+            return lm.cache_kv([1, 2, 3]), lm.clear_kv_cache()
+
+        pinned, cleared = asyncio.run(hint())
+        for future in (pinned, cleared):
+            assert future.done() and not future.cancelled()
+        assert pinned.result() is False and cleared.result() is None
+        assert lm.cache_kv([1, 2, 3]) is False  # the blocking form, the same answer
+    finally:
+        lm.cleanup()
+
+
 @pytest.mark.asyncio
 async def test_connect_without_worker_names_the_model(any_redis_url: str) -> None:
     with pytest.raises(NoWorker, match="mock-300"):
