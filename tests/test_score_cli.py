@@ -218,6 +218,27 @@ def test_a_resume_with_other_settings_is_refused(redis_url: str, tmp_path: Path)
     }  # fmt: skip
 
 
+def test_job_status_of_a_failed_job_says_so_to_a_script(redis_url: str) -> None:
+    """``--job-status`` exits 1 for a job that failed (0 for one running); ``lmpool-status``
+    shows its error beside its counters."""
+    r = redis.Redis.from_url(redis_url)
+    fields = {"state": "failed", "total": "0", "done": "0", "failed": "0", "rate": "0"}
+    r.hset(Keys().job_progress("job-bad"), mapping={**fields, "error": "OSError: no such file"})
+    r.hset(Keys().job_progress("job-ok"), mapping={**fields, "state": "running"})
+    r.close()
+    for job_id, code in (("job-bad", 1), ("job-ok", 0), ("job-never", 1)):
+        res = subprocess.run(
+            [sys.executable, "-m", "producer.score", "--job-status", job_id, "--redis-url",
+             redis_url], cwd=REPO, env=env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert res.returncode == code, (job_id, res.stdout, res.stderr)
+    status = subprocess.run(
+        [sys.executable, "-m", "worker.status", "--redis-url", redis_url],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "job job-bad: failed 0/0 done, 0 failed, 0 lines/s: OSError: no such file" in status
+
+
 def test_bad_lines_fail_alone_and_are_retried(redis_url: str, tmp_path: Path) -> None:
     rows: list[Any] = [{"id": f"r{i}", "ids": prompt(i)} for i in range(20)]
     rows[7] = {"id": "oov", "ids": [5, V]}

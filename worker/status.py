@@ -169,6 +169,7 @@ def render(data: dict[str, Any]) -> str:
         lines.append(
             f"job {job_id}: {job.get('state', '?')} {job.get('done', 0)}/{job.get('total', '?')} "
             f"done, {job.get('failed', 0)} failed, {job.get('rate', '-')} lines/s"
+            + (f": {job['error']}" if job.get("error") else "")
         )
     return "\n".join(lines)
 

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.job_status:
         info = asyncio.run(read_job_progress(args.redis_url, args.job_status))
         print(json.dumps(info or {"job": args.job_status, "state": "unknown"}, indent=1))
-        return 0 if info else 1
+        # a script can tell: 0 running or finished, 1 failed, interrupted or unknown
+        return 0 if info and info.get("state") not in ("failed", "interrupted") else 1
     if args.input is None or args.output is None:
         parser.error("INPUT and OUTPUT are needed")
     try:
