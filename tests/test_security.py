@@ -16,6 +16,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from shared.acl import producer_rule, worker_rule
+from shared.errors import PoolUnreachable
 
 V = 300
 MODEL = f"mock-{V}"
@@ -79,8 +80,10 @@ async def test_password_from_the_url_and_a_wrong_one_fails_clearly(
         async with await RemoteLM.connect(server.url, model=MODEL) as lm:
             assert torch.equal(await lm.next_token_logprobs([5]), reference([5]))
         bad = server.url.replace("s3cret", "wrong")
-        with pytest.raises(AuthenticationError):
+        with pytest.raises(PoolUnreachable, match="invalid username-password pair") as caught:
             await RemoteLM.connect(bad, model=MODEL, connect_timeout_s=1)
+        assert isinstance(caught.value.__cause__, AuthenticationError)
+        assert ":***@" in str(caught.value) and "wrong" not in str(caught.value)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

@@ -72,7 +72,12 @@ async def _start(ctx: dict[str, Any]) -> None:
         # thread, and the event loop for steps too short to hand over)
         torch.set_num_threads(settings.torch_threads)
         await in_compute_thread(functools.partial(torch.set_num_threads, settings.torch_threads))
-    backend = await in_compute_thread(functools.partial(load_backend, settings))
+    try:
+        backend = await in_compute_thread(functools.partial(load_backend, settings))
+    except ImportError as e:
+        if "pip install" in str(e):  # an engine's (or bitsandbytes') own hint: a setting's fault
+            raise SettingsError(str(e)) from None
+        raise
     pool = PoolWorker(settings, backend, cluster)
     # what start-up made (modules, the model, the backend) lives as long as the process: out
     # of the collector's full passes, which paused a serving worker 104-240 ms each

@@ -24,10 +24,11 @@ def choose_backend(settings: Settings) -> str:
 
 
 def load_backend(settings: Settings) -> Backend:
-    """The configured backend; what the machine lacks for it (CUDA, an engine's package) is a
-    setting error naming the variable, found before any weights load."""
+    """The configured backend. An engine that is not installed raises ``ImportError`` with
+    the extra to install; transformers asked for a CUDA device torch does not see is a setting
+    error, found before any weights load (the engines check their devices themselves)."""
     name = choose_backend(settings)
-    if name != "mock" and settings.device.startswith("cuda"):
+    if name == "hf" and settings.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
@@ -35,15 +36,6 @@ def load_backend(settings: Settings) -> Backend:
                 f"LMPOOL_DEVICE={settings.device}, but torch {torch.__version__} sees no CUDA "
                 "device here: set LMPOOL_DEVICE=cpu (or auto), or install torch's CUDA build"
             )
-    try:
-        return _load(name, settings)
-    except ImportError as e:
-        if "pip install" in str(e):  # the engine's (or bitsandbytes') own hint
-            raise SettingsError(str(e)) from None
-        raise
-
-
-def _load(name: str, settings: Settings) -> Backend:
     if name == "mock":
         from worker.backends.mock import MockBackend
 
