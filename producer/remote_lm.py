@@ -189,11 +189,7 @@ class RemoteLM(AdapterMethods):
     ) -> Prepared:
         """Checked, encoded, addressed and routed: everything but the deadline."""
         ids = token_array(token_ids, self.vocab_size)
-        read, what = len(ids) + extra_tokens, "prompt"  # all the model reads
-        if kind == "score":
-            what = "prompt and continuation (less its last token)"
-        elif kind == "sample":
-            read, what = read + max(0, params["max_tokens"] - 1), "prompt and max_tokens - 1"
+        read, what = protocol.tokens_read(kind, len(ids), params)
         if read > self.prompt_limit:
             raise InvalidRequest(
                 f"{what} of {read} tokens exceeds the limit of "

@@ -10,6 +10,7 @@ result from the cache. A vocabulary-sized row thus enters Redis once and leaves 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import msgpack
@@ -108,6 +109,17 @@ def _check_version(obj: Any, what: str) -> dict[str, Any]:
 
 def encode_request(req: Request) -> bytes:
     return pack(req)
+
+
+def tokens_read(kind: str, n_ids: int, params: Mapping[str, Any]) -> tuple[int, str]:
+    """How many tokens the model reads for a request of ``n_ids`` prompt tokens (what its
+    context must hold), and what they are, for the limit's message: a score's continuation but
+    its last token, a generation's tokens but the last one it draws."""
+    if kind == "score":
+        return n_ids + len(params["cont"]) - 1, "prompt and continuation (less its last token)"
+    if kind == "sample":
+        return n_ids + max(0, params["max_tokens"] - 1), "prompt and max_tokens - 1"
+    return n_ids, "prompt"
 
 
 def message_bytes(n_ids: int, params_bytes: int = 0) -> int:

@@ -143,11 +143,8 @@ class Batcher:
             raise InvalidRequest(f"unknown request kind {kind!r}")
         ids = np.frombuffer(req["ids"], "<i4")
         check_ids(ids, backend.info["vocab_size"])
-        extra, what = 0, "prompt"
         if kind == "sample":
             check_sample_params(params, backend.info["vocab_size"])
-            # the model reads the prompt and every token drawn but the last
-            extra, what = max(0, params["max_tokens"] - 1), "prompt and max_tokens - 1"
         elif kind == "score":
             cont = params.get("cont")
             if set(params) - {"cont", "greedy"} or not isinstance(cont, list) or not cont:
@@ -157,8 +154,6 @@ class Batcher:
             if not isinstance(params.get("greedy", False), bool):
                 raise InvalidRequest(f"score's greedy must be a bool, got {params['greedy']!r}")
             check_ids(_int_array(cont), backend.info["vocab_size"])
-            extra = len(cont) - 1  # the model reads the continuation but its last token
-            what = "prompt and continuation (less its last token)"
         elif kind == "cache_kv":
             if set(params) - {"pin"} or not isinstance(params.get("pin", True), bool):
                 raise InvalidRequest(f"cache_kv takes only pin (a bool), got {sorted(params)}")
@@ -166,7 +161,8 @@ class Batcher:
             raise InvalidRequest(f"{kind} takes no parameters, got {sorted(params)}")
         # a run-time adapter is checked (and loaded) by the consumer, see worker.adapters
         lora = None if is_runtime_adapter(req["lora"]) else req["lora"]
-        backend.check_prompt(len(ids) + extra, lora, self.settings.max_prompt_tokens, what)
+        read, what = protocol.tokens_read(kind, len(ids), params)
+        backend.check_prompt(read, lora, self.settings.max_prompt_tokens, what)
         expected = request_digest(
             backend.info["fingerprint"],
             kind,
