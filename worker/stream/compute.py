@@ -255,15 +255,10 @@ class Compute:
         """Jobs whose deadline passed while they waited for this step are answered
         ``Expired`` instead of computed: their askers have given up."""
         now_ms = self.now_ms()
-        expired = [j for j in jobs if j.request is not None and j.request["deadline_ms"] < now_ms]
+        expired = [j for j in jobs if _past_deadline(j, now_ms)]
         if not expired:
             return jobs
-        for job in expired:
-            late_ms = now_ms - job.request["deadline_ms"]  # type: ignore[index]
-            job.fail(Expired(f"dropped unrun: its deadline passed {late_ms:.0f} ms ago"), "expired")
-            job.work = None
-            self.active.pop(job.digest, None)
-        self.on_finished(expired)
+        self._answer_expired(expired, now_ms, "dropped unrun")
         return [j for j in jobs if j.work is not None]
 
     def _drop_given_up_generations(self) -> None:
@@ -271,29 +266,22 @@ class Compute:
         answered ``Expired``: their askers have given up, and a long one would otherwise run on
         (and hold a stopping worker) for nothing."""
         now_ms = self.now_ms()
+        gone = self.backend.drop_generations(lambda w: _past_deadline(w.tag, now_ms))
+        if gone:
+            log.info("%d generation(s) stopped: their askers' deadlines passed", len(gone))
+            self._answer_expired([w.tag for w in gone], now_ms, "stopped unfinished")
 
-        def gone(work: Work) -> bool:
-            job = work.tag
-            return (
-                isinstance(job, Job)
-                and job.request is not None
-                and (job.request["deadline_ms"] < now_ms)
-            )
-
-        dropped = [w.tag for w in self.backend.drop_generations(gone)]
-        for job in dropped:
-            assert isinstance(job, Job) and job.request is not None
+    def _answer_expired(self, jobs: list[Job], now_ms: float, what: str) -> None:
+        """Answer ``jobs`` (past their deadlines) ``Expired``, saying ``what`` became of them."""
+        for job in jobs:
+            assert job.request is not None  # _past_deadline
             late_ms = now_ms - job.request["deadline_ms"]
-            job.fail(
-                Expired(f"stopped unfinished: its deadline passed {late_ms:.0f} ms ago"), "expired"
-            )
+            job.fail(Expired(f"{what}: its deadline passed {late_ms:.0f} ms ago"), "expired")
             if job.work is not None:
-                job.work.tag = None
+                job.work.tag = None  # the pair refer to each other: see ``step``
             job.work = None
             self.active.pop(job.digest, None)
-        if dropped:
-            log.info("%d generation(s) stopped: their askers' deadlines passed", len(dropped))
-            self.on_finished(dropped)
+        self.on_finished(jobs)
 
     def written(self) -> None:
         """A batch of answers is written: what the backend's steps left for later (the hf KV
@@ -353,3 +341,9 @@ class Compute:
             job.result = encoded  # a row, in the wire dtype (``_step``)
         elif work.result is not None:
             job.result = encode_result(work.result)  # samples, scores: as they are
+
+
+def _past_deadline(job: object, now_ms: float) -> bool:
+    """Whether ``job`` (a worker's job, or anything else a work may carry) has a request whose
+    deadline (on the Redis server's clock) is before ``now_ms``."""
+    return isinstance(job, Job) and job.request is not None and job.request["deadline_ms"] < now_ms
