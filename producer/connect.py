@@ -101,22 +101,15 @@ async def _wait_for_model(settings: Settings, model: str) -> tuple[ModelMeta, fl
     redis = connect_redis(settings.redis_url)
     try:
         tenant = resolve_tenant(settings.tenant, await acl_user(redis))
-        started = time.monotonic()
-        deadline, warned = started + settings.connect_timeout_s, False
+        waiting = _Waiting(settings, model)
         while True:
             if await registry.live_workers(redis, keys, model):
                 meta = await registry.read_meta(redis, keys, model)
                 if meta is not None:
                     t0 = time.time()
-                    seconds, micros = await redis.time()
-                    offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
-                    return meta, offset, tenant
-            now = time.monotonic()
-            if now >= deadline or (not warned and now >= started + WARN_AFTER_S):
-                known = sorted(m.decode() for m in await redis.smembers(keys.models))  # type: ignore[misc]
-                if now >= deadline:
-                    raise _no_worker(settings, model, known)
-                warned = _warn_waiting(settings, model, known)
+                    return meta, _clock_offset(t0, *await redis.time()), tenant
+            if waiting.long():
+                waiting.tell(sorted(m.decode() for m in await redis.smembers(keys.models)))  # type: ignore[misc]
             await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
@@ -133,41 +126,59 @@ def _wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, flo
     redis = connect_redis_sync(settings.redis_url)
     try:
         tenant = resolve_tenant(settings.tenant, acl_user_sync(redis))
-        started = time.monotonic()
-        deadline, warned = started + settings.connect_timeout_s, False
+        waiting = _Waiting(settings, model)
         while True:
             alive = redis.zrangebyscore(keys.workers(model), registry.now_ms(), "+inf")
             raw: Any = redis.hgetall(keys.meta(model)) if alive else None
             if raw:
                 t0 = time.time()
-                seconds, micros = redis.time()
-                offset = seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
-                return registry.parse_meta(raw), offset, tenant
-            now = time.monotonic()
-            if now >= deadline or (not warned and now >= started + WARN_AFTER_S):
-                known = sorted(m.decode() for m in redis.smembers(keys.models))
-                if now >= deadline:
-                    raise _no_worker(settings, model, known)
-                warned = _warn_waiting(settings, model, known)
+                return registry.parse_meta(raw), _clock_offset(t0, *redis.time()), tenant
+            if waiting.long():
+                waiting.tell(sorted(m.decode() for m in redis.smembers(keys.models)))
             time.sleep(0.1)
     finally:
         redis.close()
 
 
-def _warn_waiting(settings: Settings, model: str, known: list[str]) -> bool:
-    """Say once why a connect is still waiting: no live worker of ``model``, and whether one
-    ever served it here (a misspelled model name shows at once, not after the timeout)."""
-    where = masked_url(settings.redis_url)
-    if model in known:
-        why = f"no live worker of model {model!r} on {where} (one has served it before)"
-    else:
-        why = f"no worker has served model {model!r} on {where}; models there: {known or 'none'}"
-    log.warning(
-        "%s; waiting up to %gs (LMPOOL_CONNECT_TIMEOUT_S) for one",
-        why,
-        settings.connect_timeout_s,
-    )
-    return True
+def _clock_offset(t0: float, seconds: int, micros: int) -> float:
+    """The Redis clock's offset from this host's (ms), from a ``TIME`` asked at ``t0``
+    and answered now (the middle of the round trip)."""
+    return seconds * 1000 + micros / 1000 - (t0 + time.time()) * 500
+
+
+class _Waiting:
+    """A connect's wait for a live worker: it says once, after ``WARN_AFTER_S``, why it still
+    waits, and raises ``NoWorker`` at ``LMPOOL_CONNECT_TIMEOUT_S``."""
+
+    def __init__(self, settings: Settings, model: str) -> None:
+        self.settings, self.model = settings, model
+        self.started = time.monotonic()
+        self.deadline = self.started + settings.connect_timeout_s
+        self.warned = False
+
+    def long(self) -> bool:
+        """Whether the wait has lasted long enough to say why (or to give up)."""
+        now = time.monotonic()
+        return now >= self.deadline or (not self.warned and now >= self.started + WARN_AFTER_S)
+
+    def tell(self, known: list[str]) -> None:
+        """Give up, or say why it waits, naming the models a worker has served (``known``)."""
+        if time.monotonic() >= self.deadline:
+            raise _no_worker(self.settings, self.model, known)
+        self.warned = True
+        settings, model = self.settings, self.model
+        where = masked_url(settings.redis_url)
+        if model in known:
+            why = f"no live worker of model {model!r} on {where} (one has served it before)"
+        else:
+            why = (
+                f"no worker has served model {model!r} on {where}; models there: {known or 'none'}"
+            )
+        log.warning(
+            "%s; waiting up to %gs (LMPOOL_CONNECT_TIMEOUT_S) for one",
+            why,
+            settings.connect_timeout_s,
+        )
 
 
 def _no_worker(settings: Settings, model: str, known: list[str]) -> NoWorker:
