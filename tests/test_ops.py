@@ -122,6 +122,32 @@ async def test_status_and_metrics_on_a_live_pool(
 
 
 @pytest.mark.asyncio
+async def test_a_model_no_worker_serves_shows_in_one_line_and_can_be_unlisted(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A model whose workers stopped stays listed, in one line; ``--forget`` unlists it, and
+    refuses (exit 1, one line) while a worker serves it or when no such model is listed."""
+    cmd = [sys.executable, "-m", "worker.status", "--redis-url", redis_url]
+    env = {"PATH": "/usr/bin:/bin"}
+    w = workers(redis_url, backend="mock", mock_vocab_size=V)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        await lm.next_token_logprobs([1, 2])
+    busy = subprocess.run([*cmd, "--forget", MODEL], capture_output=True, text=True, env=env)
+    assert busy.returncode == 1 and "1 live worker(s)" in busy.stderr, busy.stderr
+    assert w.terminate() == 0
+    assert f"model {MODEL}: no live worker, nothing queued" in status(redis_url)
+    done = subprocess.run([*cmd, "--forget", MODEL], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and f"model {MODEL!r} unlisted" in done.stdout, done.stderr
+    assert "no model has registered a worker" in status(redis_url)
+    again = subprocess.run([*cmd, "--forget", MODEL], capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and again.stderr.count("\n") == 1, again.stderr
+    assert f"no model {MODEL!r} is listed" in again.stderr
+    w2 = workers(redis_url, backend="mock", mock_vocab_size=V)  # registers it again
+    assert "1 live worker(s)" in status(redis_url)
+    assert w2.terminate() == 0
+
+
+@pytest.mark.asyncio
 async def test_offline_work_does_not_starve_interactive_requests(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

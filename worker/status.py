@@ -4,6 +4,7 @@ Live workers (host, backend, device, batch size, heartbeat age, requests/s), que
 pending counts per stream, the shared-cache and KV hit rates, per-tenant counters, tenants'
 quotas and their use, dead letters and offline jobs.
 ``--watch N`` refreshes every N seconds; ``--json`` prints the same data for machines.
+``--forget MODEL`` takes a model no live worker serves off the list.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from shared.settings import Settings
 from worker.quota import read_quotas
 from worker.quota import render as render_quotas
 from worker.stream.tenants import read_tenants
+
+
+class Refused(Exception):
+    """What the operator asked for cannot be done (the message says why)."""
 
 
 def _s(value: bytes | str) -> str:
@@ -133,6 +138,9 @@ def render(data: dict[str, Any]) -> str:
     if not data["models"]:
         lines.append("no model has registered a worker on this Redis (yet)")
     for model, m in data["models"].items():
+        if not m["workers"]:
+            lines += _unserved(model, m)
+            continue
         q = ", ".join(
             f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in m["streams"].items()
         )
@@ -174,6 +182,34 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _unserved(model: str, m: dict[str, Any]) -> list[str]:
+    """A model no live worker serves: one line, and the streams that still hold requests."""
+    waiting = {p: s for p, s in m["streams"].items() if s["length"] or s["pending"]}
+    if not waiting:
+        return [f"model {model}: no live worker, nothing queued (--forget {model} unlists it)"]
+    q = ", ".join(f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in waiting.items())
+    return [f"model {model}: no live worker; {q}"]
+
+
+async def forget(redis: AnyRedis, keys: Keys, model: str) -> str:
+    """Take ``model`` off the list (its registration: name, metadata, worker list), unless a
+    live worker serves it; a worker started for it registers it again. Returns what was done;
+    :class:`Refused` says why not."""
+    if not await redis.sismember(keys.models, model):  # type: ignore[misc]
+        raise Refused(f"no model {model!r} is listed on this Redis")
+    alive = await registry.live_workers(redis, keys, model)
+    if alive:
+        raise Refused(
+            f"model {model!r} has {len(alive)} live worker(s), {alive[0]}...: stop them first"
+        )
+    m = await _model(redis, keys, model)
+    queued = sum(s["length"] for s in m["streams"].values())
+    await redis.srem(keys.models, model)  # type: ignore[misc]
+    await redis.delete(keys.meta(model), keys.workers(model))
+    left = f"; its {queued} queued request(s) stay for a worker started for it" if queued else ""
+    return f"model {model!r} unlisted{left}"
+
+
 async def run(url: str, prefix: str, watch_s: float, as_json: bool) -> None:
     redis = connect_redis(url)
     keys = Keys(prefix)
@@ -191,6 +227,14 @@ async def run(url: str, prefix: str, watch_s: float, as_json: bool) -> None:
         await redis.aclose()
 
 
+async def _forget(url: str, prefix: str, model: str) -> str:
+    redis = connect_redis(url)
+    try:
+        return await forget(redis, Keys(prefix), model)
+    finally:
+        await redis.aclose()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
@@ -202,12 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=settings.key_prefix, help="key prefix (tenant)")
     parser.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--forget", metavar="MODEL", help="take a model no live worker serves off the list"
+    )
     args = parser.parse_args(argv)
     if args.watch < 0:
         parser.error(f"--watch {args.watch:g}: seconds between refreshes, 0 (print once) or more")
     try:
         with reaching(args.redis_url):
+            if args.forget is not None:
+                print(asyncio.run(_forget(args.redis_url, args.prefix, args.forget)))
+                return 0
             asyncio.run(run(args.redis_url, args.prefix, args.watch, args.json))
+    except Refused as e:
+        print(f"lmpool-status: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:  # the reader went away (``| head``): nothing more to say
