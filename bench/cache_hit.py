@@ -38,7 +38,7 @@ from localpool.redis_server import RedisServer
 from shared import protocol
 from shared.keys import Keys
 from shared.redis_conn import connect_redis
-from shared.scripts import SUBMIT_SCRIPT, run_script
+from shared.scripts import SUBMIT_SCRIPT, run_script, submit_call
 from shared.settings import Settings
 from worker.status import collect
 
@@ -132,9 +132,18 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             assert value is not None, "the computed result is not in the shared cache"
 
             # the SUBMIT script's KEYS for a hit: its own counter, not the pool's
-            submit_keys = ["bench:stats", keys.stream(model, "high", shard)]
-            submit_args: list[Any] = [*keys.digest_prefixes(model, shard), keys.reply("bench")]
-            submit_args += [60_000, 100_000, b"", b"", digest, 0, b"unused"]
+            submit_keys, submit_args = submit_call(
+                keys,
+                model,
+                shard,
+                keys.stream(model, "high", shard),
+                [(digest, "0", b"unused")],
+                reply=keys.reply("bench"),
+                wait_ms=60_000,
+                max_queue=100_000,
+                stale_ms=15_000,
+            )
+            submit_keys[0] = "bench:stats"
 
             async def get_decode(_: object) -> torch.Tensor:
                 return protocol.decode_result(await raw.get(result_key))

@@ -31,7 +31,7 @@ from reply_paths import VOCAB
 
 from localpool.redis_server import RedisServer
 from shared.keys import Keys
-from shared.scripts import FINISH_SCRIPT, SUBMIT_SCRIPT
+from shared.scripts import FINISH_SCRIPT, SUBMIT_SCRIPT, finish_call, submit_call
 
 BATCH = 16
 MODEL = "bench"
@@ -51,9 +51,8 @@ class Paths:
         self.keys = Keys("bench")
         self.row = os.urandom(4 * VOCAB)
         self.message = os.urandom(120)
-        self.res, self.wait = self.keys.digest_prefixes(MODEL, 0)
+        self.res, _ = self.keys.digest_prefixes(MODEL, 0)
         self.stream = self.keys.stream(MODEL, "high", 0)
-        self.stats = self.keys.stats(MODEL, 0)
         self.due = self.keys.due(MODEL, 0)
         self.reply = self.keys.reply("bench-producer")
         r.script_load(SUBMIT_SCRIPT.source)
@@ -61,18 +60,26 @@ class Paths:
 
     def pool(self) -> None:
         digests = [uuid.uuid4().hex for _ in range(BATCH)]
-        args: list[Any] = [self.res, self.wait, self.reply, self.ttl_ms, 10**9, b"", b""]
-        for d in digests:
-            args += [d, 0, self.message]
-        self.r.evalsha(SUBMIT_SCRIPT.sha, 3, self.stats, self.stream, self.due, *args)
+        keys, args = submit_call(
+            self.keys,
+            MODEL,
+            0,
+            self.stream,
+            [(d, "0", self.message) for d in digests],
+            reply=self.reply,
+            wait_ms=self.ttl_ms,
+            max_queue=10**9,
+            stale_ms=15_000,
+        )
+        self.r.evalsha(SUBMIT_SCRIPT.sha, len(keys), *keys, *args)
         pipe = self.r.pipeline(transaction=False)
         pipe.zadd(self.due, {f"r:{d}": 0 for d in digests})
         for d in digests:
             pipe.set(self.res + d, self.row)  # no TTL until read (shared.scripts)
-        finish: list[Any] = ["1", self.ttl_ms, self.wait]
-        for d in digests:
-            finish += [d, b"r" * 60]
-        pipe.execute_command("EVALSHA", FINISH_SCRIPT.sha, 2, self.stats, self.due, *finish)
+        keys, finish = finish_call(
+            self.keys, MODEL, 0, True, self.ttl_ms, [(d, b"r" * 60) for d in digests]
+        )
+        FINISH_SCRIPT.queue(pipe, keys, finish)
         pipe.execute()
         self.r.lpop(self.reply, 512)
         pipe = self.r.pipeline(transaction=False)

@@ -272,7 +272,7 @@ class LoopState:
         finally:
             self.whole = None
         self.backoff.reset()
-        outcome, replies, value = Submitter.whole_outcome(answers)
+        outcome, replies, value = Submitter.whole_outcome(p.prepared, answers)
         digest = p.prepared.digest
         if self.pending.get(digest) is p:
             if outcome not in ("wait", "fetch"):
@@ -318,7 +318,12 @@ class LoopState:
             for p in list(self.pending.values()):
                 if now >= p.deadline:
                     self._expire(p)
-                elif p.futures and now - p.sent_at >= resend_s and id(p) not in queued:
+                elif (
+                    p.futures
+                    and now - p.sent_at >= resend_s
+                    and id(p) not in queued
+                    and p is not self.whole  # its SUBMIT's answer (the entry id) is on its way
+                ):
                     self._enqueue(p, force=True)
 
     # -- replies --------------------------------------------------------------------------

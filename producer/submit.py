@@ -20,13 +20,13 @@ from producer.target import Target
 from shared import protocol
 from shared.errors import Expired, LMPoolError, QueueFull, RequestTimeout
 from shared.redis_conn import AnyRedis, connect_redis_sync, is_cluster
-from shared.scripts import SUBMIT_SCRIPT, execute, run_script
+from shared.scripts import SUBMIT_SCRIPT, execute, run_script, submit_call
 
 LISTEN_BLOCK_S = 1.0
 """Longest blocking pop of replies (also how soon a closed listener notices)."""
 REPLIES_PER_POP = 512
 OUTCOMES = ("wait", "fetch", "full")
-"""What SUBMIT's codes 0, 1, 2 mean for a request: queued or joined, cached, refused."""
+"""What SUBMIT's codes 0, 1, 2 mean for a request: joined, cached, refused (queued: an id)."""
 
 
 @dataclass(eq=False)
@@ -36,10 +36,26 @@ class Prepared:
     digest: str
     shard: int
     request: protocol.Request
+    entry: str = ""
+    """The id of the stream entry this producer's last SUBMIT of it added ('' when it joined
+    another asker's): a re-submission asks SUBMIT to add it again only if that one's worker
+    died (see ``shared.scripts``)."""
 
     def message(self, deadline_ms: int) -> bytes:
         self.request["deadline_ms"] = deadline_ms
         return protocol.encode_request(self.request)
+
+    def force(self, again: bool) -> str:
+        """SUBMIT's force argument: a first submission, or a re-submission (``again``)."""
+        return (self.entry or "1") if again else "0"
+
+    def outcome(self, code: Any) -> str:
+        """What SUBMIT's answer for this request means (:data:`OUTCOMES`); an entry id (it was
+        queued) is kept for a later re-submission."""
+        if isinstance(code, int):
+            return OUTCOMES[code]
+        self.entry = code.decode() if isinstance(code, bytes) else str(code)
+        return "wait"
 
 
 class Submitter:
@@ -66,16 +82,22 @@ class Submitter:
             groups[item[0].shard].append(item)
         out = []
         for shard, group in groups.items():
-            args: list[Any] = [*c.keys.digest_prefixes(c.model, shard)]
-            args += [self.reply_key, ttl_ms, s.max_queue, marker, c.tenant]
-            for p, deadline_ms, force in group:
-                args += [p.digest, int(force), p.message(deadline_ms)]
-            keys = [
-                c.keys.stats(c.model, shard),
+            keys, args = submit_call(
+                c.keys,
+                c.model,
+                shard,
                 c.stream_of(shard),
-                c.keys.due(c.model, shard),
-                c.keys.tenants(c.model, shard),
-            ]
+                [
+                    (p.digest, p.force(force), p.message(deadline_ms))
+                    for p, deadline_ms, force in group
+                ],
+                reply=self.reply_key,
+                wait_ms=ttl_ms,
+                max_queue=s.max_queue,
+                stale_ms=int(s.held_stale_s * 1000),
+                marker=marker,
+                tenant=c.tenant,
+            )
             out.append(([p for p, _, _ in group], keys, args))
         return out
 
@@ -110,12 +132,14 @@ class Submitter:
         ]
 
     @staticmethod
-    def whole_outcome(answers: list[Any]) -> tuple[Any, list[bytes], bytes | bytearray | None]:
+    def whole_outcome(
+        prepared: Prepared, answers: list[Any]
+    ) -> tuple[Any, list[bytes], bytes | bytearray | None]:
         """``(outcome, replies, value)`` of :meth:`whole_commands`' answers: the SUBMIT outcome
         as :meth:`outcomes` gives it, the replies popped (for any request of this list), and
         the result's value if it existed once the pop returned."""
         codes, popped, value = answers
-        outcome = codes if isinstance(codes, Exception) else OUTCOMES[codes[0]]
+        outcome = codes if isinstance(codes, Exception) else prepared.outcome(codes[0])
         replies = [] if popped is None or isinstance(popped, Exception) else popped[1]
         return outcome, replies, value if isinstance(value, (bytes, bytearray)) else None
 
@@ -145,7 +169,7 @@ class Submitter:
                 if isinstance(codes, Exception):
                     yield p, codes
                 else:
-                    yield p, OUTCOMES[int(codes[j])]
+                    yield p, p.outcome(codes[j])
 
 
 class SyncState:
@@ -228,7 +252,7 @@ class SyncState:
         block_s = min(timeout_s, LISTEN_BLOCK_S)
         for command in self.submitter.whole_commands(p, deadline_ms, False, block_s):
             pipe.execute_command(*command)
-        outcome, replies, value = Submitter.whole_outcome(pipe.execute(raise_on_error=False))
+        outcome, replies, value = Submitter.whole_outcome(p, pipe.execute(raise_on_error=False))
         self._raise_refused(outcome)
         if value is not None:
             results[p.digest] = bytes(value)  # redis-py's: bytes already, not copied

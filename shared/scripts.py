@@ -28,6 +28,7 @@ from typing import Any
 
 from redis.exceptions import ClusterDownError, NoScriptError, ResponseError
 
+from shared.keys import GROUP, Keys
 from shared.resp import Commands, RespConnection
 
 SUBMIT = """
@@ -37,24 +38,42 @@ SUBMIT = """
 -- they share the declared keys' slot.
 -- ARGV: result and waiters key prefixes (a digest completes each), reply list, wait ms (how
 --       long an asker may wait), max queue, marker, tenant ('' for none: then KEYS[4] is not
---       touched), then per request: digest, force, message
+--       touched), the workers' group, stale ms, then per request: digest, force, message
 --       (marker: pushed onto the reply list when a request was not queued or joined, so that
 --       a pop of that list queued behind this call returns at once; '' pushes nothing)
---       (force 1: add the message even if the digest is already queued: a re-submission of a
---       request whose message Redis may have lost, in a restart or a failover)
+--       (force: '0' for a first submission. Else a re-submission of a request unanswered for
+--       a while: '1' adds the message again even if the digest is queued; an entry id (one
+--       this call returned to the same asker) adds it again only if that entry, in KEYS[2],
+--       is pending on a worker that has not claimed it again for stale ms (a live worker does
+--       so every heartbeat: that one died), or if the stream is gone. An entry not pending
+--       has not been delivered yet: it waits in the stream (a Redis that lost it lost the
+--       waiter set with it, so the digest is queued anew as a first submission).)
 -- A digest is queued while its waiter set exists: the first asker creates it (without a TTL,
 -- due when the last asker's wait ends), FINISH deletes it; an asker that finds it joins.
 -- A tenant's counters go into the stats hash twice: the shard's total and '<counter>:<tenant>'.
--- Returns one code per request: 1 the result exists, 0 queued or joined, 2 the queue is full.
+-- Returns one code per request: 1 the result exists, 0 joined, 2 the queue is full, or the
+-- id of the entry it added (queued).
 local res, wait = ARGV[1], ARGV[2]
 local reply, wttl, maxq, marker = ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
-local tenant = ARGV[7]
+local tenant, group, stale = ARGV[7], ARGV[8], tonumber(ARGV[9])
 local out = {}
 local hits, queued, joined, rejected = 0, 0, 0, 0
 local len = nil
 local t = redis.call('TIME')
 local due = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(wttl)
-for i = 8, #ARGV, 3 do
+local function again(force)
+  -- whether a re-submission adds its message again (see force above)
+  if force == '0' then return false end
+  if force == '1' then return true end
+  local held = redis.pcall('XPENDING', KEYS[2], group, force, force, 1)
+  if type(held) ~= 'table' or held.err then
+    -- no group yet (a new tenant's stream, which workers find within a moment; they read it
+    -- from its start), or no stream any more (deleted with the entry)
+    return redis.call('EXISTS', KEYS[2]) == 0
+  end
+  return held[1] ~= nil and tonumber(held[1][3]) >= stale
+end
+for i = 10, #ARGV, 3 do
   local d = ARGV[i]
   local w = wait .. d
   local code = 0
@@ -65,14 +84,14 @@ for i = 8, #ARGV, 3 do
     local first = redis.call('EXISTS', w) == 0  -- nothing queued it yet
     redis.call('SADD', w, reply)
     redis.call('ZADD', KEYS[3], 'GT', due, 'w:' .. d)
-    if first or ARGV[i + 1] == '1' then
+    if first or again(ARGV[i + 1]) then
       if len == nil then len = redis.call('XLEN', KEYS[2]) end
       if len >= maxq then
         redis.call('SREM', w, reply)
         rejected = rejected + 1
         code = 2
       else
-        redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2], 'd', d)
+        code = redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2], 'd', d)
         len = len + 1
         queued = queued + 1
       end
@@ -195,6 +214,46 @@ end
 redis.call('HINCRBY', KEYS[1], 'admitted', n)
 return {0, 0}
 """
+
+
+def submit_call(
+    keys: Keys,
+    model: str,
+    shard: int,
+    stream: str,
+    requests: Sequence[tuple[str, str, bytes]],
+    *,
+    reply: str,
+    wait_ms: int,
+    max_queue: int,
+    stale_ms: int,
+    marker: bytes = b"",
+    tenant: str = "",
+) -> tuple[list[str], list[Any]]:
+    """SUBMIT's KEYS and ARGV for ``requests`` (digest, force, message) of one shard; force is
+    ``"0"``, ``"1"`` or an entry id (see the script)."""
+    args: list[Any] = [*keys.digest_prefixes(model, shard), reply, wait_ms, max_queue]
+    args += [marker, tenant, GROUP, stale_ms]
+    for digest, force, message in requests:
+        args += [digest, force, message]
+    names = [keys.stats(model, shard), stream, keys.due(model, shard), keys.tenants(model, shard)]
+    return names, args
+
+
+def finish_call(
+    keys: Keys,
+    model: str,
+    shard: int,
+    push: bool,
+    ttl_ms: int,
+    answers: Sequence[tuple[str, bytes]],
+) -> tuple[list[str], list[Any]]:
+    """FINISH's KEYS and ARGV for ``answers`` (digest, reply) of one shard."""
+    _, wait = keys.digest_prefixes(model, shard)
+    args: list[Any] = ["1" if push else "0", ttl_ms, wait]
+    for digest, reply in answers:
+        args += [digest, reply]
+    return [keys.stats(model, shard), keys.due(model, shard)], args
 
 
 class Script:

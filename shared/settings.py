@@ -112,8 +112,10 @@ class Settings:
     connect_timeout_s: float = 30.0
     """Producer: seconds ``RemoteLM.connect`` waits for a live worker of the model."""
     resend_s: float = 15.0
-    """Producer: re-submit a request still unanswered after this long. Submitting is
-    idempotent, so this only matters when Redis lost the message (a restart without AOF)."""
+    """Producer: re-submit a request still unanswered after this long. Its message is queued
+    again only if Redis lost it (a restart without AOF, a failover) or the worker holding it has
+    not claimed it again for this long and three heartbeats (it died): a request waiting in its
+    queue, or held by a live worker, is never queued twice."""
     max_in_flight: int = 4096
     """Producer: most requests one producer has queued and unanswered at once."""
     max_queue: int = 100_000
@@ -133,7 +135,9 @@ class Settings:
     heartbeat_s: float = 2.0
     """Worker heartbeat period; a worker silent for 3 periods counts as dead."""
     claim_after_s: float = 60.0
-    """Messages pending this long on a consumer are reclaimed by another worker."""
+    """Messages a worker holds without claiming them again for this long are taken over by
+    another worker. A live worker claims what it holds again every heartbeat, unless one step of
+    its model has run this long (stuck)."""
     max_deliveries: int = 3
     """Deliveries of one message before it goes to the dead-letter stream."""
     max_message_bytes: int = 1_048_576
@@ -226,6 +230,13 @@ class Settings:
         self.id_list("mock_fail_on")
         self.id_list("mock_crash_on")
         _check(self.mock_delay_ms >= 0, "LMPOOL_MOCK_DELAY_MS must be >= 0")
+
+    @property
+    def held_stale_s(self) -> float:
+        """A request held by a worker that has not claimed it again for this long is queued
+        again by its producer's re-submission: ``resend_s``, and at least three heartbeats
+        (a live worker claims what it holds again every heartbeat)."""
+        return max(self.resend_s, 3 * self.heartbeat_s)
 
     @property
     def served_model_name(self) -> str:

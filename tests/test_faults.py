@@ -23,7 +23,7 @@ from producer import RemoteLM
 from shared import protocol
 from shared.errors import DeadLettered, InvalidRequest, ProtocolError, QueueFull, RequestTimeout
 from shared.keys import GROUP, Keys
-from shared.scripts import SUBMIT_SCRIPT
+from shared.scripts import SUBMIT_SCRIPT, submit_call
 from shared.settings import Settings
 from worker.backends.mock import MockBackend
 
@@ -192,14 +192,14 @@ async def test_a_dead_lettered_request_answers_its_waiters_and_keeps_little(
     workers(redis_url, backend="mock", mock_vocab_size=V)
     r = redis.Redis.from_url(redis_url)
     digest, reply = "ab" * 20, KEYS.reply("old-producer")
-    prefixes = KEYS.digest_prefixes(MODEL, 0)
     huge = b"\x00" * 1_600_000
     SUBMIT_SCRIPT.load_sync(r)
-    code = r.execute_command(
-        "EVALSHA", SUBMIT_SCRIPT.sha, 3, KEYS.stats(MODEL, 0), KEYS.stream(MODEL, "high", 0),
-        KEYS.due(MODEL, 0), *prefixes, reply, 60_000, 1000, b"", b"", digest, 0, huge,
+    keys, args = submit_call(
+        KEYS, MODEL, 0, KEYS.stream(MODEL, "high", 0), [(digest, "0", huge)],
+        reply=reply, wait_ms=60_000, max_queue=1000, stale_ms=15_000,
     )  # fmt: skip
-    assert code == [0]
+    code = r.execute_command("EVALSHA", SUBMIT_SCRIPT.sha, len(keys), *keys, *args)
+    assert len(code) == 1 and b"-" in code[0]  # queued: the id of its entry
     popped = cast("tuple[bytes, bytes] | None", r.blpop([reply], timeout=10))
     assert popped is not None, "the waiter of a dead-lettered request was never answered"
     got_digest, outcome = protocol.decode_reply(popped[1])

@@ -17,7 +17,7 @@ from poolkit import wait_until
 from localpool.redis_server import RedisServer, fill_until_evicting
 from producer import RemoteLM
 from shared.keys import Keys
-from shared.scripts import SUBMIT_SCRIPT
+from shared.scripts import SUBMIT_SCRIPT, submit_call
 from worker.backends.mock import MockBackend
 
 VOCAB = 49_152  # 196 KB rows, as a small model's (float32)
@@ -90,14 +90,14 @@ async def test_what_is_awaited_has_no_ttl_and_nothing_stays_forever(
     await wait_until(lambda: r.pttl(lost) > 0, 6, "the unread result's TTL")
 
     # a waiter set whose request is never answered (its entry went to a stream nobody reads)
-    prefixes = keys.digest_prefixes(model, 0)
     orphan, nowhere = "cd" * 20, keys.stream(model, "high", 0) + ":nowhere"
     SUBMIT_SCRIPT.load_sync(r)
-    code = r.execute_command(
-        "EVALSHA", SUBMIT_SCRIPT.sha, 3, keys.stats(model, 0), nowhere, keys.due(model, 0),
-        *prefixes, keys.reply("gone"), 300, 1000, b"", b"", orphan, 0, b"message",
+    names, args = submit_call(
+        keys, model, 0, nowhere, [(orphan, "0", b"message")],
+        reply=keys.reply("gone"), wait_ms=300, max_queue=1000, stale_ms=15_000,
     )  # fmt: skip
-    assert code == [0] and r.pttl(keys.waiters(model, 0, orphan)) == -1
+    code = r.execute_command("EVALSHA", SUBMIT_SCRIPT.sha, len(names), *names, *args)
+    assert b"-" in code[0] and r.pttl(keys.waiters(model, 0, orphan)) == -1
     await wait_until(lambda: not r.exists(keys.waiters(model, 0, orphan)), 5, "the sweep")
     await wait_until(
         lambda: all(r.zcard(keys.due(model, s)) == 0 for s in range(4)), 5, "empty due sets"

@@ -22,7 +22,7 @@ from worker.backends.base import Backend, EngineDead
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.stream.consumer import Consumer
-from worker.stream.reclaim import reclaim_loop
+from worker.stream.reclaim import reclaim_loop, renew_held
 
 log = logging.getLogger("lmpool.worker")
 
@@ -201,6 +201,7 @@ class PoolWorker:
                 await self._sync_clock()
                 await self._republish_if_lost()
                 await self._beat()
+                await renew_held(self.consumer)
                 await self._rebalance()
                 await self.consumer.adapters.sync()
                 await self.consumer.writer.sweep(self.settings.shards)

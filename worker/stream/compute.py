@@ -73,9 +73,9 @@ class Compute:
         self.on_finished = on_finished
         self.on_step = on_step
         self.now_ms = now_ms
+        """Now on the Redis server's clock (deadlines are on it)."""
         self.triage = triage
         """Checks jobs against Redis (``Batcher.triage``): result there? anyone waiting?"""
-        """Now on the Redis server's clock (deadlines are on it)."""
         self.ready: list[Job] = []
         self.active: dict[str, Job] = {}
         """Jobs handed to the backend (or ready for it), by digest: duplicates join them."""
@@ -83,6 +83,8 @@ class Compute:
         self.lock = asyncio.Lock()
         """Held while the compute thread works: one step, or one other backend call."""
         self.busy = False
+        self.step_started = 0.0
+        """When the step now running (``busy``) started (monotonic)."""
         self.step_s = 1.0
         """Recent steps' duration (moving average); starts high, so first steps use the thread."""
         self.steps = 0
@@ -99,6 +101,10 @@ class Compute:
         self._virtual = 0.0
         """Virtual time: the largest rank of the works finished so far."""
         self._settling: asyncio.Task[None] | None = None
+
+    def stuck_s(self) -> float:
+        """How long the step now running has run (0 when none runs)."""
+        return time.monotonic() - self.step_started if self.busy else 0.0
 
     @property
     def outstanding(self) -> int:
@@ -191,7 +197,7 @@ class Compute:
         elif not self.backend.has_work():
             return
         self.busy = True
-        started = time.monotonic()
+        started = self.step_started = time.monotonic()
         try:
             async with self.lock:
                 self._drop_given_up_generations()

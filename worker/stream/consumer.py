@@ -293,10 +293,14 @@ class Consumer:
         await self.writer.write(jobs)
         self._written(jobs)
 
-    def held_entries(self) -> set[str]:
-        """Ids of the entries this worker holds in memory (read, not yet acknowledged)."""
+    def held(self) -> list[tuple[str, str]]:
+        """(stream, id) of each entry this worker holds in memory (read, not acknowledged)."""
         jobs = [*self.compute.active.values(), *self.writer.queued()]
-        return {e.entry_id for job in jobs for e in job.entries}
+        return [(e.stream, e.entry_id) for job in jobs for e in job.entries]
+
+    def held_entries(self) -> set[str]:
+        """Ids of the entries this worker holds in memory."""
+        return {entry_id for _, entry_id in self.held()}
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _stepped(self, works: list[Work], seconds: float) -> None:

@@ -5,12 +5,19 @@ pending lists periodically: a message idle past ``LMPOOL_CLAIM_AFTER_S`` is queu
 claimed (XCLAIM with the same idle bound, so two scanners never both take it) and run alone;
 one already delivered ``LMPOOL_MAX_DELIVERIES`` times is moved to the dead-letter stream and its
 waiters get a ``DeadLettered`` error instead of a hang.
+
+A live worker keeps what it holds from looking dead: every heartbeat it claims its held
+entries again (``renew_held``: XCLAIM ... JUSTID, no delivery counted), which sets their idle
+time to zero. So a long generation, or a request read ahead behind one, is neither taken over
+by another worker nor queued again by its producer's re-submission (the SUBMIT script reads
+the same idle time); a worker whose model is stuck in one step stops renewing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -67,6 +74,41 @@ async def reclaim_once(consumer: Consumer) -> int:
             claimed = await consumer.reader.claim(stream, list(doomed))
             await consumer.dead_letter(claimed, doomed)
     return taken
+
+
+async def renew_held(consumer: Consumer) -> int:
+    """Claim again the entries this worker holds that have waited half a heartbeat since it
+    last did, unless one step of its model has run past ``LMPOOL_CLAIM_AFTER_S``; returns how
+    many. Only entries still pending on this consumer: one taken over meanwhile stays taken."""
+    s = consumer.settings
+    if consumer.compute.stuck_s() > s.claim_after_s:
+        return 0
+    held: dict[str, set[str]] = defaultdict(set)
+    for stream, entry_id in consumer.held():
+        held[stream].add(entry_id)
+    if not held:
+        return 0
+    idle_ms = int(s.heartbeat_s * 500)
+    streams = list(held)
+    pipe = consumer.redis.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xpending_range(
+            stream, GROUP, min="-", max="+", count=len(held[stream]) + 256,
+            consumername=consumer.name, idle=idle_ms,
+        )  # fmt: skip
+    replies = await pipe.execute(raise_on_error=False)
+    pipe = consumer.redis.pipeline(transaction=False)
+    renewed = 0
+    for stream, pending in zip(streams, replies, strict=True):
+        if isinstance(pending, Exception):
+            continue  # the stream or its group vanished: the reader recreates them
+        ids = [i for i in (_s(p["message_id"]) for p in pending) if i in held[stream]]
+        if ids:
+            pipe.xclaim(stream, GROUP, consumer.name, idle_ms, list[Any](ids), justid=True)
+            renewed += len(ids)
+    if renewed:
+        await pipe.execute(raise_on_error=False)
+    return renewed
 
 
 async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:

@@ -29,7 +29,14 @@ from shared.protocol import wire_bytes, wire_len
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
 from shared.resp import RespConnection
 from shared.resp import supported as resp_supported
-from shared.scripts import FINISH_SCRIPT, SWEEP_SCRIPT, execute, execute_resp, run_script
+from shared.scripts import (
+    FINISH_SCRIPT,
+    SWEEP_SCRIPT,
+    execute,
+    execute_resp,
+    finish_call,
+    run_script,
+)
 from shared.settings import Settings
 from worker.stream.batcher import Job
 
@@ -143,14 +150,12 @@ class Writer:
                     if job.digest:
                         by_shard[job.shard].append(i)
                 for shard, members in by_shard.items():
-                    _, waiters = self.keys.digest_prefixes(self.model, shard)
-                    args: list[Any] = ["0" if self.cluster else "1", ttl_ms, waiters]
-                    for i in members:
-                        args += [jobs[i].digest, replies[i]]
+                    answers = [(jobs[i].digest, replies[i]) for i in members]
                     FINISH_SCRIPT.queue(
                         pipe,
-                        [self.keys.stats(self.model, shard), self.keys.due(self.model, shard)],
-                        args,
+                        *finish_call(
+                            self.keys, self.model, shard, not self.cluster, ttl_ms, answers
+                        ),
                     )
                     finishes.append((shard, members))
             for job in jobs:
