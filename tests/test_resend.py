@@ -47,25 +47,25 @@ async def computed(pool: list[Any], least: int) -> int:
 
 
 def quick_resends(monkeypatch: pytest.MonkeyPatch) -> float:
-    """Producers re-submit every 0.3 s and count a held request's worker dead after 1.2 s
-    without a renewal (three heartbeats of 0.4 s); returns that heartbeat."""
+    """Producers re-submit every 0.3 s and count a held request's worker dead after 0.6 s
+    without a renewal (three heartbeats of 0.2 s); returns that heartbeat."""
     monkeypatch.setenv("LMPOOL_RESEND_S", "0.3")
-    monkeypatch.setenv("LMPOOL_HEARTBEAT_S", "0.4")
-    return 0.4
+    monkeypatch.setenv("LMPOOL_HEARTBEAT_S", "0.2")
+    return 0.2
 
 
 @pytest.mark.asyncio
 async def test_requests_waiting_past_many_resends_are_queued_and_computed_once(
     any_redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Steps of 2.5 s, two workers, four requests: each waits through several re-submissions,
-    queued or held (read ahead, or in the step) past the 1.2 s after which a request left
+    """Steps of 1.2 s, two workers, four requests: each waits through several re-submissions,
+    queued or held (read ahead, or in the step) past the 0.6 s after which a request left
     unrenewed counts as lost. Each is queued once and computed once (before: a stream entry
     every re-submission, and the idle worker computed the busy one's requests again). On a
     single Redis and on a cluster."""
     redis_url = any_redis_url
     heartbeat_s = quick_resends(monkeypatch)
-    common = {"backend": "mock", "mock_vocab_size": V, "mock_delay_ms": 2500, "max_batch": 1}
+    common = {"backend": "mock", "mock_vocab_size": V, "mock_delay_ms": 1200, "max_batch": 1}
     pool = [workers(redis_url, heartbeat_s=heartbeat_s, **common) for _ in range(2)]
     prompts = [[i, 7] for i in range(4)]
     async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
@@ -87,7 +87,7 @@ async def test_a_tenants_re_submissions_run_under_its_acl_rule(
     rules = [worker_rule("w", "pw", "lab"), producer_rule("alice", "pa", "lab", tenant=True)]
     with RedisServer(password="admin", acl_lines=rules) as server:
         workers(
-            server.url_for("w", "pw"), backend="mock", mock_vocab_size=V, mock_delay_ms=2500,
+            server.url_for("w", "pw"), backend="mock", mock_vocab_size=V, mock_delay_ms=1200,
             max_batch=1, key_prefix="lab", heartbeat_s=heartbeat_s,
         )  # fmt: skip
         alice = Settings.from_env(redis_url=server.url_for("alice", "pa"), key_prefix="lab")
@@ -104,7 +104,7 @@ async def test_a_tenants_re_submissions_run_under_its_acl_rule(
 async def test_a_long_generation_is_neither_taken_over_nor_queued_again(
     redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 3 s generation (600 tokens, 5 ms each) against LMPOOL_CLAIM_AFTER_S=1 and re-submissions
+    """A 2 s generation (400 tokens, 5 ms each) against LMPOOL_CLAIM_AFTER_S=1 and re-submissions
     every 0.3 s: the worker that runs it renews it every heartbeat, so the idle second worker
     neither takes it over nor gets it queued again; the sample comes back once, whole."""
     heartbeat_s = quick_resends(monkeypatch)
@@ -112,9 +112,9 @@ async def test_a_long_generation_is_neither_taken_over_nor_queued_again(
     pool = [workers(redis_url, heartbeat_s=heartbeat_s, **common) for _ in range(2)]
     async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
         started = time.monotonic()
-        tokens = await lm.sample([1, 2], 600, [], seed=3)
+        tokens = await lm.sample([1, 2], 400, [], seed=3)
         took = time.monotonic() - started
-    assert len(tokens) == 600 and took > 2.5
+    assert len(tokens) == 400 and took > 1.5
     assert counter(redis_url, "queued") == 1
     assert await computed(pool, 1) == 1
     assert not any("taking over" in w.log() for w in pool)
@@ -126,7 +126,7 @@ async def test_a_request_held_by_a_killed_worker_is_queued_again_within_seconds(
 ) -> None:
     """The worker holding a request is killed with SIGKILL mid-step; with LMPOOL_CLAIM_AFTER_S
     at 120 s no worker takes it over, but its producer's re-submission sees it unrenewed past
-    1.2 s and queues it again: a second worker answers it in seconds, with the right row."""
+    0.6 s and queues it again: a second worker answers it in seconds, with the right row."""
     heartbeat_s = quick_resends(monkeypatch)
     common = {
         "backend": "mock", "mock_vocab_size": V, "claim_after_s": 120, "heartbeat_s": heartbeat_s
