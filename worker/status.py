@@ -141,9 +141,7 @@ def render(data: dict[str, Any]) -> str:
         if not m["workers"]:
             lines += _unserved(model, m)
             continue
-        q = ", ".join(
-            f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in m["streams"].items()
-        )
+        q = _queues(m["streams"])
         lines.append(f"model {model}")
         lines.append(
             f"  {len(m['workers'])} live worker(s), {m['requests_per_s']} req/s (last minute); {q}"
@@ -187,8 +185,13 @@ def _unserved(model: str, m: dict[str, Any]) -> list[str]:
     waiting = {p: s for p, s in m["streams"].items() if s["length"] or s["pending"]}
     if not waiting:
         return [f"model {model}: no live worker, nothing queued (--forget {model} unlists it)"]
-    q = ", ".join(f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in waiting.items())
-    return [f"model {model}: no live worker; {q}"]
+    return [f"model {model}: no live worker; {_queues(waiting)}"]
+
+
+def _queues(streams: dict[str, dict[str, int]]) -> str:
+    return ", ".join(
+        f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in streams.items()
+    )
 
 
 async def forget(redis: AnyRedis, keys: Keys, model: str) -> str:
