@@ -136,8 +136,9 @@ class Settings:
     """Worker heartbeat period; a worker silent for 3 periods counts as dead."""
     claim_after_s: float = 60.0
     """Messages a worker holds without claiming them again for this long are taken over by
-    another worker. A live worker claims what it holds again every heartbeat, unless one step of
-    its model has run this long (stuck)."""
+    another worker. A live worker claims what it holds again every heartbeat (four times within
+    this, when it is shorter than four heartbeats), unless one step of its model has run this
+    long (stuck)."""
     max_deliveries: int = 3
     """Deliveries of one message before it goes to the dead-letter stream."""
     max_message_bytes: int = 1_048_576
@@ -237,6 +238,13 @@ class Settings:
         again by its producer's re-submission: ``resend_s``, and at least three heartbeats
         (a live worker claims what it holds again every heartbeat)."""
         return max(self.resend_s, 3 * self.heartbeat_s)
+
+    @property
+    def renew_s(self) -> float:
+        """How often a worker claims again the entries it holds: every heartbeat, and at least
+        four times within ``claim_after_s``, so that no other worker takes over a live worker's
+        entries between two renewals."""
+        return min(self.heartbeat_s, self.claim_after_s / 4)
 
     @property
     def served_model_name(self) -> str:

@@ -121,6 +121,26 @@ async def test_a_long_generation_is_neither_taken_over_nor_queued_again(
 
 
 @pytest.mark.asyncio
+async def test_a_claim_after_shorter_than_a_heartbeat_takes_nothing_over_from_a_live_worker(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """LMPOOL_CLAIM_AFTER_S=0.8 under a heartbeat of 2 s (the default): the worker that runs a 2 s
+    generation claims it again four times within 0.8 s (``Settings.renew_s``), not every 2 s, so
+    the idle second worker, scanning every 0.4 s, never finds it idle that long (before: taken
+    over after 0.8 s and computed twice)."""
+    common = {
+        "backend": "mock", "mock_vocab_size": V, "mock_delay_ms": 5, "claim_after_s": 0.8,
+        "heartbeat_s": 2.0,
+    }  # fmt: skip
+    pool = [workers(redis_url, **common) for _ in range(2)]
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
+        tokens = await lm.sample([3, 4], 400, [], seed=5)
+    assert len(tokens) == 400
+    assert await computed(pool, 1) == 1
+    assert not any("taking over" in w.log() for w in pool)
+
+
+@pytest.mark.asyncio
 async def test_a_request_held_by_a_killed_worker_is_queued_again_within_seconds(
     redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

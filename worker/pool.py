@@ -22,7 +22,7 @@ from worker.backends.base import Backend, EngineDead
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.stream.consumer import Consumer
-from worker.stream.reclaim import reclaim_loop, renew_held
+from worker.stream.reclaim import reclaim_loop, renew_loop
 
 log = logging.getLogger("lmpool.worker")
 
@@ -67,6 +67,7 @@ class PoolWorker:
             consumer,
             asyncio.create_task(self._heartbeat_loop(), name="lmpool-heartbeat"),
             asyncio.create_task(reclaim_loop(self.consumer, self._stopping), name="lmpool-reclaim"),
+            asyncio.create_task(renew_loop(self.consumer, self._stopping), name="lmpool-renew"),
         ]
         log.info("worker %s serving %s on %s", self.worker_id, self.model, self.settings.redis_url)
 
@@ -201,7 +202,6 @@ class PoolWorker:
                 await self._sync_clock()
                 await self._republish_if_lost()
                 await self._beat()
-                await renew_held(self.consumer)
                 await self._rebalance()
                 await self.consumer.adapters.sync()
                 await self.consumer.writer.sweep(self.settings.shards)

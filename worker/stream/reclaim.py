@@ -6,7 +6,8 @@ claimed (XCLAIM with the same idle bound, so two scanners never both take it) an
 one already delivered ``LMPOOL_MAX_DELIVERIES`` times is moved to the dead-letter stream and its
 waiters get a ``DeadLettered`` error instead of a hang.
 
-A live worker keeps what it holds from looking dead: every heartbeat it claims its held
+A live worker keeps what it holds from looking dead: every heartbeat (more often when
+``LMPOOL_CLAIM_AFTER_S`` is under four heartbeats: ``Settings.renew_s``) it claims its held
 entries again (``renew_held``: XCLAIM ... JUSTID, no delivery counted), which sets their idle
 time to zero. So a long generation, or a request read ahead behind one, is neither taken over
 by another worker nor queued again by its producer's re-submission (the SUBMIT script reads
@@ -77,9 +78,10 @@ async def reclaim_once(consumer: Consumer) -> int:
 
 
 async def renew_held(consumer: Consumer) -> int:
-    """Claim again the entries this worker holds that have waited half a heartbeat since it
-    last did, unless one step of its model has run past ``LMPOOL_CLAIM_AFTER_S``; returns how
-    many. Only entries still pending on this consumer: one taken over meanwhile stays taken."""
+    """Claim again the entries this worker holds that have waited half a renewal period
+    (``Settings.renew_s``) since it last did, unless one step of its model has run past
+    ``LMPOOL_CLAIM_AFTER_S``; returns how many. Only entries still pending on this consumer:
+    one taken over meanwhile stays taken."""
     s = consumer.settings
     if consumer.compute.stuck_s() > s.claim_after_s:
         return 0
@@ -88,7 +90,7 @@ async def renew_held(consumer: Consumer) -> int:
         held[stream].add(entry_id)
     if not held:
         return 0
-    idle_ms = int(s.heartbeat_s * 500)
+    idle_ms = int(s.renew_s * 500)
     streams = list(held)
     pipe = consumer.redis.pipeline(transaction=False)
     for stream in streams:
@@ -109,6 +111,18 @@ async def renew_held(consumer: Consumer) -> int:
     if renewed:
         await pipe.execute(raise_on_error=False)
     return renewed
+
+
+async def renew_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
+    """``renew_held`` every ``Settings.renew_s`` until ``stopping``."""
+    while not stopping.is_set():
+        await wait_event(stopping, consumer.settings.renew_s)
+        if stopping.is_set():
+            return
+        try:
+            await renew_held(consumer)
+        except Exception:
+            log.exception("claiming held entries again failed; retrying next period")
 
 
 async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
