@@ -39,6 +39,12 @@ def token_array(token_ids: Any, vocab_size: int, what: str = "prompt") -> np.nda
             raise InvalidRequest(
                 f"{what} token ids must be a flat sequence of integers: {e}"
             ) from None
+    if arr.ndim == 0:
+        single = arr.dtype.kind in "iu"
+        raise InvalidRequest(
+            f"{what} token ids must be a sequence, not {type(token_ids).__name__} "
+            f"{str(token_ids)[:40]}" + (f": one token is [{token_ids}]" if single else "")
+        )
     if arr.ndim != 1:
         raise InvalidRequest(
             f"{what} token ids must be one flat sequence, not of shape {arr.shape}"

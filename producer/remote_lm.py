@@ -245,10 +245,11 @@ class RemoteLM(AdapterMethods):
         *,
         affinity: str | None = None,
     ) -> torch.Tensor:
-        """``[N, vocab_size]``; the N requests go to Redis in one pipeline."""
+        """``[N, vocab_size]`` (``[0, vocab_size]`` for no prompts); the N requests go to Redis
+        in one pipeline."""
         lora = await self._adapter(lora_name) if lora_name is not None else None
         prepared = [self._prepare("logprobs", ids, lora, {}, affinity) for ids in token_ids_list]
-        return torch.stack(await self._calls(prepared))
+        return self._rows(await self._calls(prepared))
 
     def next_token_logprobs_sync(
         self, token_ids: Ids, lora_name: str | None = None
@@ -261,7 +262,10 @@ class RemoteLM(AdapterMethods):
     ) -> torch.Tensor:
         lora = self._adapter_sync(lora_name)
         prepared = [self._prepare("logprobs", ids, lora, {}) for ids in token_ids_list]
-        return torch.stack(self._call_sync(prepared))
+        return self._rows(self._call_sync(prepared))
+
+    def _rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(rows) if rows else torch.empty((0, self.vocab_size))
 
     def next_token_logprobs_uncached(
         self, token_ids: Ids, lora_name: str | None = None

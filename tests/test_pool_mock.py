@@ -106,12 +106,29 @@ async def test_bad_input_errors_say_what_is_wrong_and_how_to_fix_it(
             await lm.score([1], text)
         with pytest.raises(InvalidRequest, match="token id 'a' is not an integer.*" + hint):
             await lm.next_token_logprobs(cast(Any, list("abc")))
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^prompt token ids must be a sequence, not int 5: one token is \[5\]$",
+        ):
+            await lm.next_token_logprobs(cast(Any, 5))
+        with pytest.raises(
+            InvalidRequest, match=r"^prompt token ids must be a sequence, not NoneType None$"
+        ):
+            await lm.next_token_logprobs(cast(Any, None))
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^prompt token ids must be one flat sequence, not of shape \(1, 2\)$",
+        ):
+            await lm.next_token_logprobs(cast(Any, [[1, 2]]))
         with pytest.raises(InvalidRequest, match="eos_token_ids"):
             await lm.sample([1], 3, eos_token_ids=cast(Any, "</s>"))
         # checked by the worker: the class name is not repeated in the message
         with pytest.raises(InvalidRequest) as caught:
             await lm.sample([1], 3, [V - 1], temperature=-1.0)
         assert str(caught.value) == "temperature must be >= 0 (0: greedy), got -1.0"
+        # no prompts: no rows, in either form
+        assert (await lm.batch_next_token_logprobs([])).shape == (0, V)
+        assert lm.batch_next_token_logprobs_sync([]).shape == (0, V)
 
 
 @pytest.mark.asyncio
