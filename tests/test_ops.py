@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -119,6 +121,31 @@ async def test_status_and_metrics_on_a_live_pool(
     assert metrics[f'lmpool_requests_total{{{labels},outcome="computed"}}'] == 20
     assert metrics[f'lmpool_requests_total{{{labels},outcome="dead_letter"}}'] == 1
     assert metrics[f"lmpool_queue_wait_seconds_count{{{labels}}}"] >= 20
+
+
+@pytest.mark.asyncio
+async def test_status_sums_the_queues_by_priority_and_names_the_streams_that_hold_any(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Twenty offline requests behind a worker that takes one a second: one line says how many
+    are queued (read by no worker) and taken (read, unanswered) in each priority class, and
+    names only the streams that hold any (not all eight)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=1000, max_batch=1)
+    async with await RemoteLM.connect(redis_url, model=MODEL, priority="low") as offline:
+        batch = asyncio.gather(*(offline.next_token_logprobs([i, 3]) for i in range(20)))
+        await asyncio.sleep(0.5)  # queued, the first one in the step
+        line = next(x for x in status(redis_url).splitlines() if "live worker(s)" in x)
+        batch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await batch
+    found = re.search(r"high: 0 queued \+ 0 taken, low: (\d+) queued \+ (\d+) taken", line)
+    assert found, line
+    queued, taken = int(found[1]), int(found[2])
+    assert 15 <= queued + taken <= 20 and taken >= 1, line
+    named = re.findall(r"(\w+):(\d):?\w* (\d+)\+(\d+)", line.split("(by stream: ", 1)[1])
+    assert named and all(p == "low" and int(q) + int(n) > 0 for p, _, q, n in named), line
+    assert sum(int(q) for *_, q, _ in named) == queued, line
+    assert sum(int(n) for *_, n in named) == taken, line
 
 
 @pytest.mark.asyncio

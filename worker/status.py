@@ -189,9 +189,21 @@ def _unserved(model: str, m: dict[str, Any]) -> list[str]:
 
 
 def _queues(streams: dict[str, dict[str, int]]) -> str:
-    return ", ".join(
-        f"{p}: {s['length']} queued / {s['pending']} pending" for p, s in streams.items()
-    )
+    """By priority (``high``: interactive, ``low``: offline), requests queued (no worker has
+    read them) and taken (read, not answered yet: a stream's pending entries, which stay in it
+    until answered), then each stream that holds any (``priority:shard[:tenant] queued+taken``)."""
+    totals: dict[str, list[int]] = {}
+    busy = []
+    for label, s in streams.items():
+        taken = s["pending"]
+        queued = max(s["length"] - taken, 0)
+        total = totals.setdefault(label.split(":", 1)[0], [0, 0])
+        total[0] += queued
+        total[1] += taken
+        if queued or taken:
+            busy.append(f"{label} {queued}+{taken}")
+    text = ", ".join(f"{p}: {q} queued + {n} taken" for p, (q, n) in totals.items())
+    return text + (f" (by stream: {', '.join(busy)})" if busy else "")
 
 
 async def forget(redis: AnyRedis, keys: Keys, model: str) -> str:
