@@ -83,6 +83,10 @@ class Settings:
     """hf: memory for cached key/values of earlier prompts (0 turns it off; the arena takes up
     to a quarter more for one pass's new positions before it evicts); vllm on
     the CPU: the engine's KV-cache memory (0: a modest share of what is free)."""
+    max_logits_mb: int = 512
+    """hf: most float32 logits one score pass holds: a batch of long continuations runs in
+    several passes, and a continuation longer than that in pieces, in order (with the KV cache,
+    each piece runs only its own tokens; without it, each runs the whole prefix again)."""
     shards: int = 4
     """Interactive request streams per model. A prompt's shard comes from its first
     ``affinity_tokens`` tokens (or the caller's affinity key); each shard is leased to one
@@ -213,6 +217,7 @@ class Settings:
         except ValueError as e:
             raise SettingsError(f"LMPOOL_TENANT: {e}") from None
         _check(self.kv_cache_mb >= 0, "LMPOOL_KV_CACHE_MB must be >= 0")
+        _check(self.max_logits_mb >= 1, "LMPOOL_MAX_LOGITS_MB must be >= 1")
         _check(
             0 < self.gpu_memory_utilization <= 1,
             "LMPOOL_GPU_MEMORY_UTILIZATION must be in (0, 1]",

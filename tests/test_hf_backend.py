@@ -11,6 +11,7 @@ from shared.errors import InvalidRequest
 from shared.settings import Settings
 from worker.backends.base import draw
 from worker.backends.hf import HFBackend
+from worker.backends.hf.backend import score_passes
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,62 @@ def test_score_is_one_forward_equal_to_next_token_rows(backend: HFBackend) -> No
     assert backend.rows_computed == rows_before + 1
     expect = [single(backend, [10, 11, 12, 13][: 2 + i])[t] for i, t in enumerate([12, 13, 14])]
     assert torch.allclose(s, torch.stack(expect), atol=1e-5)
+
+
+def test_score_passes_bound_each_pass_and_cover_every_position_once() -> None:
+    lengths = [2, 0, 10, 1, 3, 4, 7]
+    most = 4
+    passes = score_passes(lengths, most)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for group in passes:
+        assert len(group) * max(end - start for _, start, end in group) <= most
+        for k, start, end in group:
+            covered.setdefault(k, []).append((start, end))
+    for k, n in enumerate(lengths):
+        spans = covered.get(k, [])
+        assert [p for s, e in spans for p in range(s, e)] == list(range(n)), (k, spans)
+    assert [k for k, _, _ in passes[-3]] == [2]  # the long one alone, its pieces in order
+    assert score_passes([5, 5], 100) == [[(0, 0, 5), (1, 0, 5)]]  # within the bound: one pass
+    assert score_passes([], 4) == [] and score_passes([0, 0], 4) == []
+
+
+@pytest.mark.parametrize("kv_cache_mb", [0, 64])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_long_continuations_run_in_bounded_passes_with_the_same_scores(
+    tiny_llama: Path, kv_cache_mb: int, greedy: bool
+) -> None:
+    """At most 3 logit positions a pass (LMPOOL_MAX_LOGITS_MB at its smallest is far more for
+    this vocabulary: the bound is set on the backend): a 10-token continuation runs in four
+    pieces, two short ones beside it in passes of their own, and each score equals the one
+    computed in a single pass (<= 1e-5), empty continuations give empty scores; with the KV
+    cache every position runs once (each piece only its own tokens)."""
+    b = HFBackend(Settings(model=str(tiny_llama), kv_cache_mb=kv_cache_mb))
+    items = [([10, 11, 12], list(range(20, 30))), ([5], [6, 7]), ([8, 9], []), ([4, 4], [3])]
+    whole = b.score_many(items, None, greedy)
+    b.close()
+    b = HFBackend(Settings(model=str(tiny_llama), kv_cache_mb=kv_cache_mb))
+    b.score_positions = 3
+    passes: list[int] = []
+    forward = b.model.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        passes.append(1)
+        return forward(*args, **kwargs)
+
+    b.model.forward = counted
+    pieces = b.score_many(items, None, greedy)
+    assert len(passes) == len(score_passes([10, 2, 0, 1], 3)) == 6
+    for got, want, (_, cont) in zip(pieces, whole, items, strict=True):
+        assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+        assert got.shape == want.shape == ((len(cont), 2) if greedy else (len(cont),))
+        if cont:
+            assert (got - want).abs().max().item() <= 1e-5
+        if greedy:
+            assert torch.equal(got[:, 1], want[:, 1])  # the argmax flags, exactly
+    if kv_cache_mb:
+        b.settle()
+        assert b.kv_stats()["tokens_computed"] == sum(len(p) + len(c) - 1 for p, c in items if c)
+    b.close()
 
 
 def test_sample_follows_the_seeded_rule(backend: HFBackend) -> None:

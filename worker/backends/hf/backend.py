@@ -81,6 +81,8 @@ class HFBackend(Backend):
             variant="" if settings.quantization == "none" else f"-bnb{settings.quantization}",
         )
         log.info("loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size)
+        self.score_positions = max(1, (settings.max_logits_mb << 20) // (4 * vocab_size))
+        """Most continuation positions whose logits one score pass holds (``score_passes``)."""
         self.kv_cache: KVCache | None = None
         if settings.kv_cache_mb > 0:
             try:
@@ -199,43 +201,63 @@ class HFBackend(Backend):
     def score_many(
         self, items: list[tuple[list[int], list[int]]], lora: str | None, greedy: bool = False
     ) -> list[torch.Tensor | BaseException]:
-        """One forward for every ``(prompt, continuation)``: each row is the prompt and the
-        continuation but its last token, whose last ``len(continuation)`` positions' logits are
-        kept. With the KV cache, only what follows a row's cached prefix runs (the choices of
-        a multiple-choice question share their context); without it, rows are left-padded."""
+        """Each ``(prompt, continuation)``'s token log-probs (``greedy``: and argmax flags), in
+        as few forward passes as ``LMPOOL_MAX_LOGITS_MB`` allows (``score_passes``): a pass's
+        rows are a prompt and its continuation (or a piece of it) but the last token, whose last
+        positions' logits are kept. With the KV cache, only what follows a row's cached prefix
+        runs (the choices of a multiple-choice question share their context, a continuation's
+        next piece its earlier ones); without it, rows are left-padded."""
         if any(not p for p, _ in items):
             raise InvalidRequest("score needs a prompt of at least one token")
-        todo = [(p, c) for p, c in items if c]
-        rows = [p + c[:-1] for p, c in todo]
-        tails = [len(c) for _, c in todo]
-        logits = torch.zeros(0)
-        if todo:
-            self._count(rows)
+        self._count([p + c[:-1] for p, c in items if c])
+        parts: list[list[torch.Tensor]] = [[] for _ in items]
+        for group in score_passes([len(c) for _, c in items], self.score_positions):
+            rows = [items[k][0] + items[k][1][: end - 1] for k, _, end in group]
+            tails = [end - start for _, start, end in group]
             if self.kv_cache is None:
                 logits = self._forward(rows, lora, keep=max(tails))
             else:
                 self._select_adapter(lora)
                 logits = self.kv_cache.tail_logits(rows, tails, lora, self.settles_later)
-        width = max(tails, default=0)
-        found = iter(zip(logits, todo, strict=True))
-        out: list[torch.Tensor | BaseException] = []
-        for _, cont in items:
-            if not cont:
-                out.append(torch.zeros((0, 2) if greedy else 0))
-                continue
-            row, _ = next(found)
-            logp = torch.log_softmax(row[width - len(cont) :].float(), dim=-1)
-            if greedy:
-                out.append(with_greedy(logp, cont))
-            else:
-                index = torch.tensor(cont, device=logp.device)[:, None]
-                out.append(logp.gather(1, index)[:, 0].cpu())
-        return out
+            width = logits.shape[1]
+            for (k, start, end), row in zip(group, logits, strict=True):
+                cont = items[k][1][start:end]
+                logp = torch.log_softmax(row[width - len(cont) :].float(), dim=-1)
+                if greedy:
+                    parts[k].append(with_greedy(logp, cont))
+                else:
+                    index = torch.tensor(cont, device=logp.device)[:, None]
+                    parts[k].append(logp.gather(1, index)[:, 0].cpu())
+            del logits
+        empty = torch.zeros((0, 2) if greedy else 0)
+        return [torch.cat(p) if p else empty for p in parts]
 
     def close(self) -> None:
         del self.model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def score_passes(lengths: list[int], most: int) -> list[list[tuple[int, int, int]]]:
+    """Forward passes for continuations of ``lengths``: each a list of ``(item, start, end)``
+    pieces, so that a pass's padded logits (its pieces times the longest) cover at most
+    ``most`` positions. Short continuations share passes (by length: little padding); one
+    longer than ``most`` runs in pieces of ``most``, in order, a pass each. Empty ones run in
+    none."""
+    passes: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    for k in sorted((k for k, n in enumerate(lengths) if n), key=lambda k: lengths[k]):
+        n = lengths[k]
+        if current and (len(current) + 1) * n > most:
+            passes.append(current)
+            current = []
+        if n > most:
+            passes += [[(k, s, min(s + most, n))] for s in range(0, n, most)]
+        else:
+            current.append((k, 0, n))
+    if current:
+        passes.append(current)
+    return passes
 
 
 def quantization_kwargs(mode: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
