@@ -14,13 +14,12 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
-from poolkit import redis_connections
+from poolkit import mock_row, redis_connections
 
 from producer import RemoteLM
 from shared.errors import InvalidRequest, LMPoolError, NoWorker, PoolUnreachable, RequestTimeout
 from shared.keys import Keys
 from shared.redis_conn import connect_redis_sync
-from worker.backends.mock import MockBackend
 from worker.stream.batcher import Job
 from worker.stream.writer import finish_groups
 
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def reference(ids: list[int], vocab: int = V) -> torch.Tensor:
-    return MockBackend(vocab).logprobs([ids], None)[0]
+    return mock_row(vocab, ids)
 
 
 @pytest.fixture
