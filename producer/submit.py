@@ -37,9 +37,9 @@ class Prepared:
     shard: int
     request: protocol.Request
     entry: str = ""
-    """The id of the stream entry this producer's last SUBMIT of it added ('' when it joined
-    another asker's): a re-submission asks SUBMIT to add it again only if that one's worker
-    died (see ``shared.scripts``)."""
+    """The id of the stream entry this producer's last SUBMIT of it added: a re-submission asks
+    SUBMIT to add it again only if that one's worker died; 'j' when it joined another asker's
+    entry (whose id it does not know): only if the stream is gone (see ``shared.scripts``)."""
 
     def message(self, deadline_ms: int) -> bytes:
         self.request["deadline_ms"] = deadline_ms
@@ -53,6 +53,8 @@ class Prepared:
         """What SUBMIT's answer for this request means (:data:`OUTCOMES`); an entry id (it was
         queued) is kept for a later re-submission."""
         if isinstance(code, int):
+            if code == 0 and not self.entry:  # joined another's entry (not its own again)
+                self.entry = "j"
             return OUTCOMES[code]
         self.entry = code.decode() if isinstance(code, bytes) else str(code)
         return "wait"

@@ -42,8 +42,11 @@ SUBMIT = """
 --       (marker: pushed onto the reply list when a request was not queued or joined, so that
 --       a pop of that list queued behind this call returns at once; '' pushes nothing)
 --       (force: '0' for a first submission. Else a re-submission of a request unanswered for
---       a while: '1' adds the message again even if the digest is queued; an entry id (one
---       this call returned to the same asker) adds it again only if that entry, in KEYS[2],
+--       a while: '1' adds the message again even if the digest is queued; 'j' (an asker that
+--       joined another's entry, whose id it does not know) only if the stream is gone (else
+--       that entry's own asker re-adds it if its worker died, or workers take it over after
+--       LMPOOL_CLAIM_AFTER_S); an entry id (one this call returned to the same asker) adds it
+--       again only if that entry, in KEYS[2],
 --       is pending on a worker that has not claimed it again for stale ms (a live worker does
 --       so every heartbeat: that one died), or if the stream is gone. An entry not pending
 --       has not been delivered yet: it waits in the stream (a Redis that lost it lost the
@@ -65,6 +68,7 @@ local function again(force)
   -- whether a re-submission adds its message again (see force above)
   if force == '0' then return false end
   if force == '1' then return true end
+  if force == 'j' then return redis.call('EXISTS', KEYS[2]) == 0 end
   local held = redis.pcall('XPENDING', KEYS[2], group, force, force, 1)
   if type(held) ~= 'table' or held.err then
     -- no group yet (a new tenant's stream, which workers find within a moment; they read it

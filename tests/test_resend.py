@@ -101,6 +101,33 @@ async def test_a_tenants_re_submissions_run_under_its_acl_rule(
 
 
 @pytest.mark.asyncio
+async def test_a_producer_that_joined_anothers_request_does_not_queue_it_again(
+    redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two producers ask for the same prompt behind a 1.2 s step; the second joins the first's
+    entry, knows no id, and re-submits every 0.3 s: the digest stays one entry, computed once
+    (before: the joiner's first re-submission added a second entry)."""
+    heartbeat_s = quick_resends(monkeypatch)
+    common = {"backend": "mock", "mock_vocab_size": V, "mock_delay_ms": 1200, "max_batch": 1}
+    pool = [workers(redis_url, heartbeat_s=heartbeat_s, **common)]
+    async with (
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as first,
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as joiner,
+    ):
+        blocker = asyncio.create_task(first.next_token_logprobs([9, 9, 1]))  # the worker's step
+        await pool[0].wait_counter("requests", 1)
+        asked = asyncio.create_task(first.next_token_logprobs([9, 9, 2]))
+        await asyncio.sleep(0.1)
+        joined = await joiner.next_token_logprobs([9, 9, 2])  # waits ~2.3 s: re-submits
+        rows = [await blocker, await asked, joined]
+    for ids, row in zip([[9, 9, 1], [9, 9, 2], [9, 9, 2]], rows, strict=True):
+        assert torch.equal(row, mock_row(V, ids))
+    assert counter(redis_url, "queued") == 2  # the blocker and the shared prompt, once each
+    assert counter(redis_url, "joined") >= 4  # the joiner, then its re-submissions
+    assert await computed(pool, 2) == 2
+
+
+@pytest.mark.asyncio
 async def test_a_long_generation_is_neither_taken_over_nor_queued_again(
     redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
