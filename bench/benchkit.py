@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -277,6 +278,13 @@ def py_spy(pid: int, out: Path, rate: int = 200) -> Iterator[None]:
             spy.wait(timeout=60)
         except subprocess.TimeoutExpired:
             spy.kill()
+
+
+def child_json(argv: list[str], **kwargs: Any) -> Any:
+    """Run ``argv`` (a bench script's side in a process of its own: its memory and C heap its
+    own), checked, and return the JSON of the last line it printed."""
+    done = subprocess.run(argv, check=True, capture_output=True, text=True, **kwargs)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def process_cpu_s(pid: int) -> float:

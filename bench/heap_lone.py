@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,14 +59,10 @@ def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     for pair in range(args.pairs):
         got: dict[str, Any] = {}
         for name in ("kept", "default") if pair % 2 == 0 else ("default", "kept"):
-            out = subprocess.run(
+            got[name] = benchkit.child_json(
                 [sys.executable, __file__, "--side", name, "--requests", str(args.requests)],
-                check=True,
-                capture_output=True,
-                text=True,
                 cwd=Path(__file__).resolve().parent.parent,
             )
-            got[name] = json.loads(out.stdout.strip().splitlines()[-1])
         kept, default = got["kept"], got["default"]
         report.line(
             f"pair {pair + 1}: kept p50 {kept['p50']:.3f} ms (p90 {kept['p90']:.3f}), "

@@ -6,7 +6,8 @@ rows of the vocabulary (16 continuations of 1,024 tokens at SmolLM2's 49,152: 3.
 Each run is a fresh process (its peak resident memory is its own): the default model on the
 CPU, ``--items`` prompts of 32 random tokens each with a continuation of ``--tokens``, scored by
 one ``score_many`` call, as a worker runs one batch, with the KV cache on (512 MB) and off.
-The anchor is the process' resident memory before the call (the model loaded).
+The anchor is the process' resident memory before the call (the model loaded); the peak is
+the call's own (``VmHWM``, reset before it).
 
     python bench/score_memory.py                       # 16 x 1,024 tokens
     python bench/score_memory.py --root /tmp/before    # another checkout's backend, same runs
@@ -18,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,15 +26,14 @@ from pathlib import Path
 import benchkit
 
 
-def rss_mib() -> int:
+def status_mib(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in MiB."""
     with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmRSS"))
+        line = next(x for x in f if x.startswith(field + ":"))
     return int(line.split()[1]) // 1024
 
 
 def one_run(kv_cache_mb: int, items: int, tokens: int, threads: int) -> dict[str, float]:
-    import resource
-
     import torch
 
     from shared.settings import Settings
@@ -50,12 +49,14 @@ def one_run(kv_cache_mb: int, items: int, tokens: int, threads: int) -> dict[str
         )
         for _ in range(items)
     ]
-    before = rss_mib()
+    before = status_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from here: loading the model is not the call's
     started = time.perf_counter()
     out = backend.score_many(work, None)
     backend.settle()
     seconds = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    peak = status_mib("VmHWM")
     total = float(sum(float(o.sum()) for o in out if isinstance(o, torch.Tensor)))
     return {"seconds": seconds, "before_mib": before, "peak_mib": peak, "sum": total}
 
@@ -71,8 +72,7 @@ def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     for kv in (512, 0):
         argv = [sys.executable, __file__, "--one", str(kv), "--items", str(args.items)]
         argv += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
-        done = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True, check=True)
-        r = json.loads(done.stdout.strip().splitlines()[-1])
+        r = benchkit.child_json(argv, env=env, cwd=root)
         report.line(
             f"KV cache {'on ' if kv else 'off'}: {r['seconds']:.1f} s, resident memory "
             f"{r['before_mib']:.0f} MiB before the call, peak {r['peak_mib']:.0f} MiB "
