@@ -19,6 +19,7 @@ import redis
 from localpool.redis_server import free_port
 from producer import RemoteLM
 from shared.keys import Keys
+from worker.stream.consumer import Stats
 
 V = 300
 MODEL = f"mock-{V}"
@@ -121,6 +122,21 @@ async def test_status_and_metrics_on_a_live_pool(
     assert metrics[f'lmpool_requests_total{{{labels},outcome="computed"}}'] == 20
     assert metrics[f'lmpool_requests_total{{{labels},outcome="dead_letter"}}'] == 1
     assert metrics[f"lmpool_queue_wait_seconds_count{{{labels}}}"] >= 20
+
+
+def test_a_workers_rate_is_over_the_last_minute_and_falls_to_zero_when_idle() -> None:
+    """The rate in a worker's heartbeat (``requests_per_s``, the status command's req/s):
+    requests of the last 60 s over 60 s, or over its time up when shorter (at least 1 s); a
+    worker idle for a minute reports 0 (before: the last burst's count over the time since it,
+    never 0, and over less than a minute for a worker up for hours)."""
+    stats = Stats(started=1000.0)
+    stats.recent = [(1001.0, 100)]
+    assert stats.per_second(now=1000.5) == 100.0  # at least a second
+    assert stats.per_second(now=1002.0) == 50.0
+    assert stats.per_second(now=1050.0) == 2.0
+    assert stats.per_second(now=1062.0) == 0.0 and not stats.recent
+    stats.recent = [(5000.0, 30), (5030.0, 30)]
+    assert stats.per_second(now=5040.0) == 1.0  # up for an hour: 60 requests over 60 s
 
 
 @pytest.mark.asyncio

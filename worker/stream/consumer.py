@@ -38,6 +38,8 @@ TENANT_FIELDS = ("requests", "computed", "prompt_tokens", "cache_hits", "wait_s"
 """Per-tenant counters: entries answered, distinct requests computed and their prompt tokens,
 cache hits (found by the worker), seconds entries waited in their streams before this worker
 read them, and seconds of backend steps (each step's time shared equally by its rows)."""
+RATE_WINDOW_S = 60.0
+"""The window of a worker's published request rate."""
 NO_TENANT = "-"
 """How requests with no tenant are counted."""
 
@@ -55,6 +57,8 @@ class Stats:
     dead_letters: int = 0
     busy_s: float = 0.0
     recent: list[tuple[float, int]] = field(default_factory=list)
+    """(monotonic time, requests) of each recorded step of the last ``RATE_WINDOW_S``."""
+    started: float = field(default_factory=time.monotonic)
     tenants: dict[str, dict[str, float]] = field(default_factory=dict)
     """Tenant (``NO_TENANT`` for none) -> ``TENANT_FIELDS`` counters."""
 
@@ -88,17 +92,21 @@ class Stats:
                 self.dead_letters += 1
             elif job.outcome in ("error", "expired"):
                 self.errors += 1
-        now = time.monotonic()
-        self.recent.append((now, n))
-        while self.recent and self.recent[0][0] < now - 60:
-            self.recent.pop(0)
+        self.recent.append((time.monotonic(), n))
+        self._forget_old()
 
-    def per_second(self) -> float:
-        """Requests per second over the last minute."""
-        if not self.recent:
-            return 0.0
-        span = max(time.monotonic() - self.recent[0][0], 1.0)
+    def per_second(self, now: float | None = None) -> float:
+        """Requests per second over the last minute (``RATE_WINDOW_S``; since the start when
+        that is shorter, and at least a second): 0 for a worker idle that long."""
+        now = time.monotonic() if now is None else now
+        self._forget_old(now)
+        span = max(min(now - self.started, RATE_WINDOW_S), 1.0)
         return sum(n for _, n in self.recent) / span
+
+    def _forget_old(self, now: float | None = None) -> None:
+        edge = (time.monotonic() if now is None else now) - RATE_WINDOW_S
+        while self.recent and self.recent[0][0] < edge:
+            self.recent.pop(0)
 
 
 class Consumer:
