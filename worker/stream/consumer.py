@@ -92,8 +92,9 @@ class Stats:
                 self.dead_letters += 1
             elif job.outcome in ("error", "expired"):
                 self.errors += 1
-        self.recent.append((time.monotonic(), n))
-        self._forget_old()
+        now = time.monotonic()
+        self.recent.append((now, n))
+        self._forget_old(now)
 
     def per_second(self, now: float | None = None) -> float:
         """Requests per second over the last minute (``RATE_WINDOW_S``; since the start when
@@ -103,8 +104,8 @@ class Stats:
         span = max(min(now - self.started, RATE_WINDOW_S), 1.0)
         return sum(n for _, n in self.recent) / span
 
-    def _forget_old(self, now: float | None = None) -> None:
-        edge = (time.monotonic() if now is None else now) - RATE_WINDOW_S
+    def _forget_old(self, now: float) -> None:
+        edge = now - RATE_WINDOW_S
         while self.recent and self.recent[0][0] < edge:
             self.recent.pop(0)
 
