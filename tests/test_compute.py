@@ -17,7 +17,7 @@ from shared.settings import Settings
 from worker.backends.base import Work
 from worker.backends.mock import MockBackend
 from worker.stream.batcher import Job
-from worker.stream.compute import Compute
+from worker.stream.compute import Compute, in_compute_thread
 
 pytestmark = pytest.mark.asyncio
 
@@ -195,6 +195,9 @@ async def test_answered_jobs_and_their_rows_are_freed_without_the_cycle_collecto
         h.done = True
         h.compute.have.set()
         await runner
+        # The compute thread drops its last work item (which held that step's result) only
+        # after the loop has it: once a next item runs there, the last one is gone.
+        await in_compute_thread(lambda: None)
         h.check_answers()
         jobs = [weakref.ref(j) for j in h.finished]
         works = [weakref.ref(j.work) for j in h.finished if j.work is not None]
