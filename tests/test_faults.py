@@ -143,6 +143,61 @@ async def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_pending(
 
 
 @pytest.mark.asyncio
+async def test_a_stopping_worker_renews_what_it_finishes_so_nothing_is_queued_again(
+    redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After SIGTERM a worker finishes the requests it holds (one running, two read ahead: two
+    steps of 1.2 s) and goes on claiming them again meanwhile: its producers, re-submitting every
+    0.3 s, see them held and queue nothing again (before, renewals stopped with the reading and
+    the two read ahead were queued again). A worker started later serves the one left unread."""
+    monkeypatch.setenv("LMPOOL_RESEND_S", "0.3")
+    monkeypatch.setenv("LMPOOL_HEARTBEAT_S", "0.2")  # held: renewed within 3 heartbeats
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=1200, max_batch=2)
+    prompts = [[i, 7] for i in range(4)]
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm:
+        asks = asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        await wait_until(lambda: pending_count(redis_url) == 3, 10, "one running, two read ahead")
+        assert await asyncio.to_thread(w.terminate, 30) == 0, w.log()
+        workers(redis_url, backend="mock", mock_vocab_size=V)
+        rows = await asks
+    for row, ids in zip(rows, prompts, strict=True):
+        assert torch.equal(row, reference(ids))
+    r = redis.Redis.from_url(redis_url)
+    queued = sum(int(cast(Any, r.hget(KEYS.stats(MODEL, s), "queued")) or 0) for s in range(4))
+    r.close()
+    assert queued == 4
+    assert pending_count(redis_url) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_stopping_worker_takes_over_nothing_more(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A worker taking over a dead worker's entries one at a time stops after the one in hand
+    when told to (before, it ran every entry it had queued for taking over first: 7 more, 4 s
+    here); the others stay pending, and a worker started later serves them: nothing lost."""
+    dead = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=3000,
+                   max_batch=16)  # fmt: skip
+    prompts = [[i, 1] for i in range(24)]
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=120) as lm:
+        asks = asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        await wait_until(lambda: pending_count(redis_url) >= 16, 10, "a batch read")
+        dead.kill()
+        taker = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=500,
+                        claim_after_s=1, log_level="INFO")  # fmt: skip
+        await wait_until(lambda: "claimed from a dead consumer" in taker.log(), 20, "a takeover")
+        started = time.monotonic()
+        assert await asyncio.to_thread(taker.terminate, 60) == 0, taker.log()
+        assert time.monotonic() - started < 2.5, taker.log()
+        after = taker.log(100_000).split("SIGTERM")[-1]
+        assert after.count("claimed from a dead consumer") <= 1, after
+        workers(redis_url, backend="mock", mock_vocab_size=V, claim_after_s=1)
+        rows = await asks
+    for row, ids in zip(rows, prompts, strict=True):
+        assert torch.equal(row, reference(ids))
+
+
+@pytest.mark.asyncio
 async def test_a_generation_whose_asker_gave_up_stops_and_sigterm_is_prompt(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

@@ -63,11 +63,15 @@ class PoolWorker:
         await self._rebalance()
         consumer = asyncio.create_task(self.consumer.run(), name="lmpool-consumer")
         consumer.add_done_callback(self._consumer_done)
+        # Renewals go on while a stopping worker finishes what it holds (else its producers
+        # queue those requests again, and other workers take them over, as from a dead one).
+        served = asyncio.Event()
+        consumer.add_done_callback(lambda _: served.set())
         self._tasks = [
             consumer,
             asyncio.create_task(self._heartbeat_loop(), name="lmpool-heartbeat"),
             asyncio.create_task(reclaim_loop(self.consumer, self._stopping), name="lmpool-reclaim"),
-            asyncio.create_task(renew_loop(self.consumer, self._stopping), name="lmpool-renew"),
+            asyncio.create_task(renew_loop(self.consumer, served), name="lmpool-renew"),
         ]
         log.info("worker %s serving %s on %s", self.worker_id, self.model, self.settings.redis_url)
 

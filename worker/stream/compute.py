@@ -149,14 +149,14 @@ class Compute:
     async def run_until(
         self, done: Callable[[], bool], claim: Callable[[], Awaitable[bool]]
     ) -> None:
-        """Step while there is work; when idle, run one reclaimed entry alone (``claim``), or
-        wait; return once idle and ``done()``."""
+        """Step while there is work; when idle, return if ``done()`` (a stopping worker takes
+        over nothing more), else run one reclaimed entry alone (``claim``), or wait."""
         while True:
             if not self.ready and not self.backend.has_work():
-                if await claim():
-                    continue
                 if done():
                     return
+                if await claim():
+                    continue
                 self.have.clear()
                 if not self.ready:
                     await self.have.wait()

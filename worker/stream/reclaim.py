@@ -114,7 +114,8 @@ async def renew_held(consumer: Consumer) -> int:
 
 
 async def renew_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
-    """``renew_held`` every ``Settings.renew_s`` until ``stopping``."""
+    """``renew_held`` every ``Settings.renew_s`` until ``stopping`` (the consumer's end: a
+    stopping worker still renews what it finishes)."""
     while not stopping.is_set():
         await wait_event(stopping, consumer.settings.renew_s)
         if stopping.is_set():
