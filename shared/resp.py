@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from redis.exceptions import BusyLoadingError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.aio import wait_event
@@ -87,6 +87,23 @@ def _bulk(arg: Any) -> Piece:
     if isinstance(arg, memoryview):
         return arg.tobytes()  # its length in bytes, whatever its format
     raise TypeError(f"cannot send {type(arg).__name__} to Redis")
+
+
+class Loading(ResponseError, BusyLoadingError):
+    """``LOADING``: a restarted Redis still reading its data. An error reply like any other
+    (in its place among the replies), and, raised, transient as redis-py's ``BusyLoadingError``
+    is (``shared.redis_conn.TRANSIENT``): loops wait and try again."""
+
+
+def error_reply(message: str) -> ResponseError:
+    """The exception for an error reply, of redis-py's class for the states a server passes
+    through (loading its data, a replica before its promotion), whole message kept."""
+    code = message.partition(" ")[0]
+    if code == "LOADING":
+        return Loading(message)
+    if code == "READONLY":
+        return ReadOnlyError(message)
+    return ResponseError(message)
 
 
 class _Protocol(asyncio.BufferedProtocol):
@@ -232,7 +249,7 @@ class _Protocol(asyncio.BufferedProtocol):
                 self._value(line)
             elif kind == 0x2D:  # - error
                 self.start = after
-                self._value(ResponseError(line.decode(errors="replace")))
+                self._value(error_reply(line.decode(errors="replace")))
             else:
                 raise ValueError(f"unknown reply type {chr(kind)!r}")
 

@@ -116,7 +116,15 @@ class Writer:
         while self._queue:
             batch, self._queue = self._queue, []
             self._writing = batch
-            written = await until_done(functools.partial(self.write, batch), self._is_stopping)
+            try:
+                written = await until_done(functools.partial(self.write, batch), self._is_stopping)
+            except Exception:
+                # Refused (not unreachable: that is retried). The entries are let go: no longer
+                # renewed, they are queued again by their producers or taken over by a worker.
+                entries = sum(len(j.entries) for j in batch)
+                log.exception("writing %d answers (%d entries) failed; left pending", len(batch),
+                              entries)  # fmt: skip
+                written = False
             self._writing = []
             if written and self.on_written is not None:
                 self.on_written(batch)
