@@ -123,3 +123,32 @@ async def test_cache_kv_pins_on_the_serving_worker(
     workers(redis_url, **MOCK)
     async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
         assert await lm.cache_kv([1, 2, 3]) is False  # no KV cache in the mock backend
+
+
+@pytest.mark.asyncio
+async def test_one_prompt_asked_on_two_shards_answers_both_askers(
+    redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two producers ask for the same prompt with affinity keys of two shards while the one
+    worker (owning every shard) is busy, so it reads both entries together: each shard's asker
+    gets its row (before, the two merged into one job answered on the first shard only, and the
+    other asker timed out)."""
+    monkeypatch.setenv("LMPOOL_RESEND_S", "1")
+    workers(redis_url, **MOCK, mock_delay_ms=400)
+    keys = {shard_of(b"", 4, 32, affinity=f"run-{i}"): f"run-{i}" for i in range(64)}
+    first, second = keys[0], keys[1]
+    ids = [5, 6, 7]
+    lms = [await RemoteLM.connect(redis_url, model=MODEL, timeout_s=6) for _ in range(2)]
+    try:
+        blocker = asyncio.ensure_future(lms[0].next_token_logprobs([9, 9, 9]))
+        await asyncio.sleep(0.1)  # the worker is in its 400 ms step
+        rows = await asyncio.gather(
+            lms[0].next_token_logprobs(ids, affinity=first),
+            lms[1].next_token_logprobs(ids, affinity=second),
+        )
+        await blocker
+    finally:
+        for lm in lms:
+            await lm.close()
+    for row in rows:
+        assert torch.equal(row, reference(ids))

@@ -67,6 +67,12 @@ class Job:
         return self.request["kind"] if self.request is not None else "?"
 
     @property
+    def key(self) -> str:
+        """What its duplicates share: the digest, in its shard (the same prompt asked with
+        affinity keys of two shards is two jobs: each shard's cache and waiters get theirs)."""
+        return job_key(self.shard, self.digest)
+
+    @property
     def tenant(self) -> str:
         """The tenant of its first entry (the one that queued it); empty: no tenant."""
         return self.entries[0].tenant if self.entries else ""
@@ -79,6 +85,10 @@ class Job:
     def fail(self, error: BaseException, outcome: str = "error") -> None:
         self.error = error_to_wire(error)
         self.outcome = outcome
+
+
+def job_key(shard: int, digest: str) -> str:
+    return f"{shard}/{digest}"
 
 
 def valid_digest(value: str | None) -> str:
@@ -104,11 +114,12 @@ class Batcher:
             except ProtocolError as e:
                 self._undecodable(entry, str(e), jobs)
                 continue
-            job = jobs.get(req["digest"])
+            job = jobs.get(job_key(entry.shard, req["digest"]))
             if job is not None:
                 job.entries.append(entry)
                 continue
-            job = jobs[req["digest"]] = Job(req["digest"], entry.shard, [entry], req)
+            job = Job(req["digest"], entry.shard, [entry], req)
+            jobs[job.key] = job
             try:
                 self._validate(req)
             except LMPoolError as e:

@@ -78,7 +78,7 @@ class Compute:
         """Checks jobs against Redis (``Batcher.triage``): result there? anyone waiting?"""
         self.ready: list[Job] = []
         self.active: dict[str, Job] = {}
-        """Jobs handed to the backend (or ready for it), by digest: duplicates join them."""
+        """Jobs handed to the backend (or ready for it), by ``Job.key``: duplicates join them."""
         self.have = asyncio.Event()
         self.lock = asyncio.Lock()
         """Held while the compute thread works: one step, or one other backend call."""
@@ -123,11 +123,11 @@ class Compute:
             if job.work is None:
                 settled.append(job)
                 continue
-            twin = self.active.get(job.digest)
+            twin = self.active.get(job.key)
             if twin is not None:
                 twin.entries.extend(job.entries)  # acknowledged with it
                 continue
-            self.active[job.digest] = job
+            self.active[job.key] = job
             self.ready.append(job)
             self._rank(job)
         if settled:
@@ -227,7 +227,7 @@ class Compute:
             self._virtual = max(self._virtual, max(w.rank for w in works))
         finished = [w.tag for w in works if isinstance(w.tag, Job)]
         for job in finished:
-            self.active.pop(job.digest, None)
+            self.active.pop(job.key, None)
         self.computed += len(finished)
         if finished:  # first: the writer's task then runs ahead of the reader woken below
             self.on_finished(finished)
@@ -253,7 +253,7 @@ class Compute:
         if not settled:
             return jobs
         for job in settled:
-            self.active.pop(job.digest, None)
+            self.active.pop(job.key, None)
         self.on_finished(settled)
         return [j for j in jobs if j.work is not None]
 
@@ -286,7 +286,7 @@ class Compute:
             if job.work is not None:
                 job.work.tag = None  # the pair refer to each other: see ``step``
             job.work = None
-            self.active.pop(job.digest, None)
+            self.active.pop(job.key, None)
         self.on_finished(jobs)
 
     def written(self) -> None:

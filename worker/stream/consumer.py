@@ -271,10 +271,10 @@ class Consumer:
             if settled:
                 self.writer.add(settled)
             for job in todo:
-                self.compute.active[job.digest] = job
+                self.compute.active[job.key] = job
             if todo:
                 await self.compute.step(only=todo)
-                while any(j.digest in self.compute.active for j in todo):
+                while any(j.key in self.compute.active for j in todo):
                     await self.compute.step(only=[])
             return True
         return False
