@@ -127,15 +127,18 @@ class LoopState:
         self._spawn(self._time_out(p))
 
     async def _time_out(self, p: Pending) -> None:
-        state = await self.target.queue_state(self.redis)
-        error = RequestTimeout(
-            f"no answer from model {self.target.model!r} within {p.timeout_s:g}s ({state})"
-        )
-        self._settle(p, error=error)
+        said = f"no answer from model {self.target.model!r} within {p.timeout_s:g}s"
+        error = RequestTimeout(said)
+        try:
+            error = RequestTimeout(f"{said} ({await self.target.queue_state(self.redis)})")
+        finally:  # also when the state ends meanwhile (a close): its askers are told
+            self._settle(p, error=error)
         await self._leave(p.prepared)
 
     async def _leave(self, prepared: Prepared) -> None:
-        """Stop waiting for a digest: workers skip it when nobody else waits."""
+        """Stop waiting for a digest (workers skip one nobody waits for), unless asked again."""
+        if prepared.digest in self.pending:
+            return
         c = self.target
         with contextlib.suppress(Exception):
             key = c.keys.waiters(c.model, prepared.shard, prepared.digest)
@@ -203,7 +206,7 @@ class LoopState:
         try:
             answers = await self.conns.submit(calls)
         except TRANSIENT as e:
-            await self._unreachable(batch, e)
+            await self._unreachable(batch, e, False)
             return
         except Exception as e:  # never leave a caller waiting for a submission that failed
             self._failed(batch, e)
@@ -224,9 +227,7 @@ class LoopState:
         if fetch:
             await self._fetch(fetch)
 
-    async def _unreachable(
-        self, batch: list[Pending], error: Exception, force: bool = False
-    ) -> None:
+    async def _unreachable(self, batch: list[Pending], error: Exception, force: bool) -> None:
         """Redis unreachable: keep the requests; they go again until their own deadline."""
         wait = self.backoff.step()
         log.warning("cannot submit to Redis (%r); retrying in %.2fs", error, wait)
@@ -257,9 +258,8 @@ class LoopState:
         waiting when the pop returns, the listener takes over."""
         self.whole = p
         force, p.force = p.force, False
-        commands = self.submitter.whole_commands(
-            p.prepared, self._deadline_ms(p), force, LISTEN_BLOCK_S
-        )
+        deadline_ms = self._deadline_ms(p)
+        commands = self.submitter.whole_commands(p.prepared, deadline_ms, force, LISTEN_BLOCK_S)
         try:
             answers = await self.conns.run_whole(commands)
         except TRANSIENT as e:

@@ -257,6 +257,54 @@ async def test_timeout_when_the_worker_is_gone_names_queue_state(
     await lm.close()
 
 
+@pytest.mark.asyncio
+async def test_a_close_while_a_timeout_asks_the_queue_state_still_tells_the_caller(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A request times out while Redis is slow (paused 0.6 s): the producer asks the queue
+    state for the message, and the client closes meanwhile. The caller gets its
+    ``RequestTimeout`` (before, the close cancelled the asking and the caller waited forever)."""
+    mock_worker = workers(redis_url, backend="mock", mock_vocab_size=V)
+    lm = await RemoteLM.connect(redis_url, model=MODEL, timeout_s=1.0)
+    mock_worker.kill()
+    call = asyncio.create_task(lm.next_token_logprobs([5, 6, 7]))
+    await asyncio.sleep(0.95)
+    r = connect_redis_sync(redis_url)
+    r.execute_command("CLIENT", "PAUSE", 600, "ALL")
+    await asyncio.sleep(0.3)  # past the deadline: the queue state is being asked
+    await lm.close()
+    with pytest.raises(RequestTimeout, match="within 1s"):
+        await asyncio.wait_for(call, 5)
+    r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_asked_again_as_the_last_one_times_out_stays_registered(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A times out while Redis is slow (paused 0.7 s) and B asks for the same prompt meanwhile:
+    A's leaving (SREM of this loop's reply list from the digest's waiter set, sent once the
+    pause ends) does not undo B's registration, so a worker started later answers B (before,
+    the worker skipped it as unwaited for, and B timed out)."""
+    mock_worker = workers(redis_url, backend="mock", mock_vocab_size=V)
+    lm = await RemoteLM.connect(redis_url, model=MODEL, timeout_s=1.5)
+    mock_worker.kill()
+    r = connect_redis_sync(redis_url)
+    a = asyncio.create_task(lm.next_token_logprobs([21, 22, 23]))
+    await asyncio.sleep(1.4)
+    r.execute_command("CLIENT", "PAUSE", 700, "ALL")
+    await asyncio.sleep(0.25)  # A's deadline passed: the queue state is being asked
+    lm.timeout_s = 12.0  # B waits longer
+    b = asyncio.create_task(lm.next_token_logprobs([21, 22, 23]))
+    with pytest.raises(RequestTimeout):
+        await a
+    await asyncio.sleep(0.5)
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    assert torch.equal(await asyncio.wait_for(b, 10), mock_row(V, [21, 22, 23]))
+    await lm.close()
+    r.close()
+
+
 def test_a_blocking_timeout_names_the_queue_state_too(any_redis_url: str, mock_worker: Any) -> None:
     """The blocking path (one request, and a batch) says what the async path says."""
     lm = asyncio.run(RemoteLM.connect(any_redis_url, model=MODEL, timeout_s=1.0))
