@@ -195,6 +195,8 @@ class PoolClient:
                 fut = asyncio.run_coroutine_threadsafe(state.end(reason), state.loop)
                 # waited for, never raised: that loop may end meanwhile and cancel the ending
                 await asyncio.wait([asyncio.wrap_future(fut)], timeout=10)
+            else:
+                _end_when_it_runs(state, reason)
         for sync in syncs:
             await asyncio.to_thread(sync.close)
 
@@ -220,5 +222,21 @@ class PoolClient:
                 fut = asyncio.run_coroutine_threadsafe(state.end(reason), state.loop)
                 with contextlib.suppress(Exception):
                     fut.result(10)
+            else:
+                _end_when_it_runs(state, reason)
         for sync in syncs:
             sync.close()
+
+
+def _end_when_it_runs(state: LoopState, reason: str) -> None:
+    """End a state whose loop is not running now (one driven by ``run_until_complete``): its
+    tasks and connections belong to that loop, so the ending is its first task when it runs
+    again (nothing to do for a closed loop: its tasks and connections went with it)."""
+
+    def start() -> None:
+        task = state.loop.create_task(state.end(reason))
+        KEEP.add(task)
+        task.add_done_callback(KEEP.discard)
+
+    with contextlib.suppress(RuntimeError):  # closed
+        state.loop.call_soon_threadsafe(start)

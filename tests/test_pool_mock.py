@@ -586,6 +586,37 @@ async def test_close_from_another_loop_fails_that_loops_flood_at_once(
     r.close()
 
 
+@pytest.mark.parametrize("how", ["cleanup", "close"])
+def test_closing_ends_the_state_of_a_loop_that_is_not_running(
+    redis_url: str, workers: Callable[..., Any], how: str
+) -> None:
+    """A loop driven by ``run_until_complete`` is idle between calls: ``cleanup()`` (or a
+    ``close()`` from another loop) ends its state the next time it runs, so its listener and
+    housekeeping tasks stop and its sockets close (before, that loop's state was forgotten,
+    not ended: both tasks ran on and 4 connections stayed open for good)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    port = urlparse(redis_url).port or 6379
+    r = connect_redis_sync(redis_url)
+    r.ping()
+    sockets_before = redis_connections(port)
+    lm = RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=10.0)
+    loop = asyncio.new_event_loop()
+    try:
+        row = loop.run_until_complete(lm.next_token_logprobs([1, 2, 3]))
+        assert torch.equal(row, reference([1, 2, 3]))
+        if how == "cleanup":
+            lm.cleanup()
+        else:
+            asyncio.run(lm.close())
+        loop.run_until_complete(asyncio.sleep(0.3))
+        alive = [t.get_name() for t in asyncio.all_tasks(loop) if not t.done()]
+        assert alive == [], alive
+        assert redis_connections(port) == sockets_before, "sockets left open"
+    finally:
+        loop.close()
+        r.close()
+
+
 def test_backend_auto_selection() -> None:
     from shared.settings import Settings
     from worker.backends import choose_backend
