@@ -195,7 +195,7 @@ class RemoteLM(AdapterMethods):
                 f"{what} of {read} tokens exceeds the limit of "
                 f"{self.prompt_limit} (the model's context, or LMPOOL_MAX_PROMPT_TOKENS)"
             )
-        size = protocol.message_bytes(len(ids) + extra_tokens)
+        size = protocol.message_bytes(len(ids), params)
         if size > self.max_message_bytes:
             raise InvalidRequest(
                 f"a request of {len(ids) + extra_tokens} tokens (~{size} bytes) exceeds "

@@ -122,10 +122,11 @@ def tokens_read(kind: str, n_ids: int, params: Mapping[str, Any]) -> tuple[int, 
     return n_ids, "prompt"
 
 
-def message_bytes(n_ids: int, params_bytes: int = 0) -> int:
-    """An upper bound of the encoded size of a request of ``n_ids`` tokens (for the producer's
-    size check before it builds one): the ids plus a generous allowance for the rest."""
-    return ID_BYTES * n_ids + params_bytes + 512
+def message_bytes(n_ids: int, params: dict[str, Any] | None = None) -> int:
+    """An upper bound of the encoded size of a request of ``n_ids`` tokens and ``params`` (for
+    the producer's size check before it builds one): the ids, the parameters as they are sent
+    (a score's continuation: a msgpack list, up to 5 bytes an id), 512 bytes for the rest."""
+    return ID_BYTES * n_ids + (len(pack(params)) if params else 0) + 512
 
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {

@@ -284,6 +284,24 @@ async def test_too_long_prompts_fail_at_the_producer_at_once(
 
 
 @pytest.mark.asyncio
+async def test_a_score_too_big_for_the_workers_fails_at_the_producer_on_a_large_vocabulary(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A continuation travels as a msgpack list: an id of 65,536 or more takes 5 bytes there,
+    not 4. A score whose message is over ``LMPOOL_MAX_MESSAGE_BYTES`` only by that is refused
+    by the producer at once (before: sent, dead-lettered by the worker, ``DeadLettered``)."""
+    big = 100_000
+    workers(redis_url, backend="mock", mock_vocab_size=big, max_message_bytes=4096)
+    async with await RemoteLM.connect(redis_url, model=f"mock-{big}", timeout_s=30) as lm:
+        cont = [70_000 + i for i in range(780)]  # 3,900 bytes as a list, 3,120 counted as int32
+        started = time.monotonic()
+        with pytest.raises(InvalidRequest, match="LMPOOL_MAX_MESSAGE_BYTES=4096"):
+            await lm.score(list(range(10)), cont)
+        assert time.monotonic() - started < 1.0
+        assert (await lm.score(list(range(10)), cont[:300])).shape == (300,)
+
+
+@pytest.mark.asyncio
 async def test_a_sample_longer_than_the_context_is_refused_stating_the_limits(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
