@@ -51,6 +51,8 @@ def token_array(token_ids: Any, vocab_size: int, what: str = "prompt") -> np.nda
         )
     if arr.size == 0:
         raise InvalidRequest(f"empty {what}: at least one token id is needed")
+    if arr.dtype.kind in "fO" and isinstance(token_ids, (list, tuple)):
+        arr = _python_ints(token_ids, arr, vocab_size, what)
     if arr.dtype.kind not in "iu":
         bad = next((x for x in arr.tolist() if type(x) is not int), arr[0])
         hint = f": {TOKENIZE_HINT}" if arr.dtype.kind in "US" else ""
@@ -62,6 +64,17 @@ def token_array(token_ids: Any, vocab_size: int, what: str = "prompt") -> np.nda
         bad = arr[int(np.argmax(outside))]
         raise InvalidRequest(f"{what} token id {int(bad)} is not an integer in [0, {vocab_size})")
     return arr.astype("<i4", copy=False)
+
+
+def _python_ints(ids: list[Any] | tuple[Any, ...], arr: np.ndarray, vocab: int, what: str) -> Any:
+    """Integers numpy made floats or objects of (a numpy uint64 beside an int, an int past 64
+    bits): checked one by one; ``arr`` back when they are not all integers."""
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in ids):
+        return arr
+    bad = next((int(x) for x in ids if not 0 <= int(x) < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"{what} token id {bad} is not an integer in [0, {vocab})")
+    return np.array([int(x) for x in ids], dtype="<i4")
 
 
 def sample_params(
@@ -79,6 +92,10 @@ def sample_params(
             "max_tokens, temperature and seed must be numbers, eos_token_ids a list of token "
             f"ids: {e}"
         ) from None
+    if not params["temperature"] >= 0:
+        raise InvalidRequest(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if not -(1 << 63) <= params["seed"] < 1 << 64:
+        raise InvalidRequest(f"seed must be an int of 64 bits at most, got {seed!r}")
     if not 0 <= params["max_tokens"] <= protocol.MAX_SAMPLE_TOKENS:
         raise InvalidRequest(
             f"max_tokens must be an int in [0, {protocol.MAX_SAMPLE_TOKENS}], got {max_tokens!r}"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlparse
 
+import numpy as np
 import pytest
 import torch
 from poolkit import mock_row, redis_connections
@@ -121,10 +122,20 @@ async def test_bad_input_errors_say_what_is_wrong_and_how_to_fix_it(
             await lm.next_token_logprobs(cast(Any, [[1, 2]]))
         with pytest.raises(InvalidRequest, match="eos_token_ids"):
             await lm.sample([1], 3, eos_token_ids=cast(Any, "</s>"))
-        # checked by the worker: the class name is not repeated in the message
+        # the class name is not repeated in the message
         with pytest.raises(InvalidRequest) as caught:
             await lm.sample([1], 3, [V - 1], temperature=-1.0)
         assert str(caught.value) == "temperature must be >= 0 (0: greedy), got -1.0"
+        with pytest.raises(InvalidRequest, match=r"^temperature must be >= 0 .*got nan$"):
+            await lm.sample([1], 3, [V - 1], temperature=float("nan"))
+        with pytest.raises(InvalidRequest, match=r"^seed must be an int of 64 bits at most"):
+            await lm.sample([1], 3, [V - 1], seed=2**70)  # msgpack's OverflowError before
+        # numpy makes floats of a uint64 beside an int: still integers ("5.0" refused before)
+        got = await lm.next_token_logprobs(cast(Any, [np.uint64(5), 6]))
+        assert torch.equal(got, mock_row(V, [5, 6]))
+        huge = r"^prompt token id 1180591620717411303424 is not an integer in \[0, 300\)$"
+        with pytest.raises(InvalidRequest, match=huge):
+            await lm.next_token_logprobs([1, 2**70])  # "token id 1" before
         # no prompts: no rows, in either form
         assert (await lm.batch_next_token_logprobs([])).shape == (0, V)
         assert lm.batch_next_token_logprobs_sync([]).shape == (0, V)
