@@ -81,7 +81,8 @@ class RemoteLM(AdapterMethods):
         self._runner = Calls(client, self.cache)
         self.affinity: str | None = None
         """Default affinity key of this object's requests (e.g. an SMC run id)."""
-        self._pinned: dict[tuple[bytes, str | None], int] = {}
+        self._pinned: set[tuple[bytes, str | None, int]] = set()
+        """(ids, adapter, shard) of each prefix pinned by ``cache_kv``, on each shard it was."""
         """Prefixes this object pinned with ``cache_kv`` (ids, adapter) -> shard."""
         self._adapters = AdapterNames()
         self._adapter_tasks: dict[str, asyncio.Task[Any]] = {}
@@ -356,7 +357,7 @@ class RemoteLM(AdapterMethods):
 
         def prepare(lora: str | None) -> Prepared:
             prepared = self._prepare("cache_kv", ids, lora, {"pin": True}, affinity)
-            self._pinned[(prepared.request["ids"], lora)] = prepared.shard
+            self._pinned.add((prepared.request["ids"], lora, prepared.shard))
             return prepared
 
         # the base model's pin is filed at once: a clear_kv_cache() right after unpins it
@@ -372,15 +373,19 @@ class RemoteLM(AdapterMethods):
         """Unpin every prefix this object pinned with ``cache_kv``: the workers may evict them
         again (genlm's ``clear_kv_cache``). Blocking without a loop; inside one, in a thread,
         as ``cache_kv``."""
-        pins, self._pinned = dict(self._pinned), {}
-        prepared = []
-        for (ids, lora), shard in pins.items():
+        pins, self._pinned = sorted(self._pinned, key=lambda pin: pin[2]), set()
+        rounds: list[list[Prepared]] = []
+        """Calls of distinct digests each: one prefix pinned on two shards is unpinned twice."""
+        for ids, lora, shard in pins:
             p = self._prepare("cache_kv", np.frombuffer(ids, "<i4"), lora, {"pin": False})
             p.shard = shard  # where it was pinned, whatever the affinity
-            prepared.append(p)
+            free = next((r for r in rounds if all(q.digest != p.digest for q in r)), None)
+            if free is None:
+                rounds.append(free := [])
+            free.append(p)
 
         def unpin() -> None:
-            if prepared:
+            for prepared in rounds:
                 self._call_sync(prepared)
 
         return run_or_thread(unpin)

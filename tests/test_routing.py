@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 import torch
 from poolkit import mock_row
 
@@ -152,3 +153,24 @@ async def test_one_prompt_asked_on_two_shards_answers_both_askers(
             await lm.close()
     for row in rows:
         assert torch.equal(row, reference(ids))
+
+
+def test_clear_kv_cache_unpins_a_prefix_on_every_shard_it_was_pinned_on(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """One prefix pinned under affinity keys of two shards is unpinned on both (before, only on
+    the shard of the last pin: the other worker kept it unevictable)."""
+    from shared.keys import Keys
+
+    workers(redis_url, **MOCK)
+    keys = {shard_of(b"", 4, 32, affinity=f"run-{i}"): f"run-{i}" for i in range(64)}
+    lm = RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=10.0)
+    ids = [11, 12, 13, 14]
+    assert lm.cache_kv(ids, affinity=keys[0]) is False  # the mock backend has no KV cache
+    assert lm.cache_kv(ids, affinity=keys[1]) is False
+    lm.clear_kv_cache()
+    r = redis.Redis.from_url(redis_url)
+    queued = [int(r.hget(Keys().stats(MODEL, s), "queued") or 0) for s in range(4)]  # type: ignore[arg-type]
+    r.close()
+    lm.cleanup()
+    assert queued == [2, 2, 0, 0], queued  # a pin and an unpin on each of the two shards
