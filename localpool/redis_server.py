@@ -77,8 +77,11 @@ class RedisServer:
         tls: bool = False,
         unix_socket: bool = False,
         binary: str | None = None,
+        loading_delay_us: int = 0,
     ) -> None:
         self.binary = binary or find_server_binary()
+        self.loading_delay_us = loading_delay_us
+        """Each key loaded at start-up takes this long more: a restart answers LOADING a while."""
         self.port = port or free_port()
         self.password = password
         self.appendonly = appendonly
@@ -150,6 +153,9 @@ class RedisServer:
             ]  # fmt: skip
         if self.unix_socket:
             args += ["--unixsocket", str(self.unix_path), "--unixsocketperm", "700"]
+        if self.loading_delay_us:
+            args += ["--key-load-delay", str(self.loading_delay_us)]
+            args += ["--loading-process-events-interval-bytes", "1024"]  # answer while loading
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb"]
             args += ["--maxmemory-policy", self.maxmemory_policy]

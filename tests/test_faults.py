@@ -91,6 +91,30 @@ async def test_redis_restart_with_aof_mid_load_loses_nothing(
 
 
 @pytest.mark.asyncio
+async def test_a_restart_that_answers_loading_for_seconds_loses_nothing(
+    workers: Callable[..., Any], tmp_path: Any
+) -> None:
+    """Redis restarts while the worker computes a 2 s step and then answers LOADING for ~3 s
+    (3,000 keys, each loaded 1 ms slower): the worker's write waits it out and the asker gets
+    its row, nothing stays pending, and the worker logs one line per retry, no traceback (before:
+    its writer died on LOADING, the entry stayed pending for good and the asker timed out)."""
+    with RedisServer(appendonly=True, loading_delay_us=1000) as server:
+        r = redis.Redis.from_url(server.url)
+        r.mset({f"filler:{i}": "x" for i in range(3000)})
+        r.bgrewriteaof()  # the AOF's base, an RDB: its keys load one by one (the delay applies)
+        await wait_until(lambda: not r.info("persistence")["aof_rewrite_in_progress"], 10, "AOF")
+        w = workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000)
+        async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=30) as lm:
+            ask = asyncio.create_task(lm.next_token_logprobs([3, 4, 5]))
+            await asyncio.sleep(0.7)  # in its step
+            await asyncio.to_thread(server.restart)  # returns once loaded (PONG)
+            assert torch.equal(await ask, reference([3, 4, 5]))
+        await wait_until(lambda: pending_count(server.url) == 0, 10, "no entry left pending")
+        assert "LOADING" in w.log() and "Traceback" not in w.log(), w.log()
+        r.close()
+
+
+@pytest.mark.asyncio
 async def test_poison_prompt_is_dead_lettered_and_its_producer_told(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

@@ -15,7 +15,7 @@ from shared.aio import wait_event
 from shared.errors import ProtocolError, SettingsError
 from shared.keys import Keys
 from shared.protocol import PROTOCOL_VERSION
-from shared.redis_conn import AnyRedis, connect_redis, connect_redis_sync
+from shared.redis_conn import TRANSIENT, AnyRedis, connect_redis, connect_redis_sync
 from shared.registry import ModelMeta
 from shared.settings import Settings
 from worker.backends.base import Backend, EngineDead
@@ -211,6 +211,8 @@ class PoolWorker:
                 await self.consumer.writer.sweep(self.settings.shards)
                 # rows made in the compute thread and freed in this one (shared.heap)
                 await asyncio.to_thread(heap.give_back_freed_memory)
+            except TRANSIENT as e:
+                log.warning("Redis unreachable for the heartbeat (%r); retrying", e)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 

@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError
 
 from shared.aio import wait_event
 from shared.keys import GROUP
+from shared.redis_conn import TRANSIENT
 from worker.stream.consumer import Consumer
 from worker.stream.reader import stream_gone
 
@@ -122,6 +123,8 @@ async def renew_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
             return
         try:
             await renew_held(consumer)
+        except TRANSIENT as e:
+            log.warning("Redis unreachable to claim held entries again (%r); next period", e)
         except Exception:
             log.exception("claiming held entries again failed; retrying next period")
 
@@ -140,6 +143,8 @@ async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
                 continue
             log.warning("request streams vanished (%s): creating them again", e)
             await consumer.ensure_groups()
+        except TRANSIENT as e:
+            log.warning("Redis unreachable for the reclaim scan (%r); next period", e)
         except Exception:
             log.exception("reclaim scan failed; retrying next period")
 
