@@ -102,7 +102,11 @@ async def test_a_restart_that_answers_loading_for_seconds_loses_nothing(
         r = redis.Redis.from_url(server.url)
         r.mset({f"filler:{i}": "x" for i in range(3000)})
         r.bgrewriteaof()  # the AOF's base, an RDB: its keys load one by one (the delay applies)
-        await wait_until(lambda: not r.info("persistence")["aof_rewrite_in_progress"], 10, "AOF")
+
+        def rewritten() -> bool:
+            return not cast(dict[str, Any], r.info("persistence"))["aof_rewrite_in_progress"]
+
+        await wait_until(rewritten, 10, "the AOF rewritten")
         w = workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000)
         async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=30) as lm:
             ask = asyncio.create_task(lm.next_token_logprobs([3, 4, 5]))
