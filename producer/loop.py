@@ -211,21 +211,26 @@ class LoopState:
         except Exception as e:  # never leave a caller waiting for a submission that failed
             self._failed(batch, e)
             return
-        self.backoff.reset()
         # Only now does the listener pop: a reply cannot come before its request is queued,
         # and a listener that dies (NOPERM) must not end this state in mid-submission.
         self.wake.set()
-        fetch = []
+        fetch, again = [], []  # again: answered LOADING (a restart reading its data), ...
         for prepared, outcome in Submitter.outcomes(calls, answers):
             p = by_digest[prepared.digest]
             if self.pending.get(prepared.digest) is not p:
                 continue
             if outcome == "fetch":
                 fetch.append(prepared.digest)
+            elif isinstance(outcome, TRANSIENT):
+                again.append((p, outcome))
             else:
                 self._refused(p, outcome)
         if fetch:
             await self._fetch(fetch)
+        if again:  # after a pause, as when Redis is unreachable (not at once, again and again)
+            await self._unreachable([p for p, _ in again], again[0][1], False)
+        else:
+            self.backoff.reset()
 
     async def _unreachable(self, batch: list[Pending], error: Exception, force: bool) -> None:
         """Redis unreachable: keep the requests; they go again until their own deadline."""
@@ -241,21 +246,19 @@ class LoopState:
             self._settle(p, error=LMPoolError(f"submitting the request failed: {error!r}"))
 
     def _refused(self, p: Pending, outcome: Any, force: bool = False) -> None:
-        """Act on a SUBMIT outcome other than queued, joined or cached: a full queue, a call
-        that failed (again later if Redis was unreachable)."""
+        """Act on a SUBMIT outcome other than queued, joined or cached (a full queue, a failure)."""
         if outcome == "full":
             self._settle(p, error=self.submitter.queue_full())
-        elif isinstance(outcome, TRANSIENT):
-            self._enqueue(p, force)
+        elif isinstance(outcome, TRANSIENT):  # again after a pause (LOADING: not at once)
+            self._spawn(self._unreachable([p], outcome, force))
         elif isinstance(outcome, Exception):
             self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
 
     async def _send_whole(self, p: Pending) -> None:
         """A request alone in this loop: SUBMIT, the pop of its reply and the GET of its result
-        in one pipeline (``Submitter.whole_commands``), so that the result comes back with the
-        reply, received into a buffer of its own (``shared.resp``). The listener does not pop
-        meanwhile (this pipeline's pop is the one Redis serves first); if the request is still
-        waiting when the pop returns, the listener takes over."""
+        in one pipeline (``Submitter.whole_commands``), the result received into a buffer of its
+        own (``shared.resp``). The listener does not pop meanwhile; it takes over if the request
+        still waits when the pop returns."""
         self.whole = p
         force, p.force = p.force, False
         deadline_ms = self._deadline_ms(p)
@@ -286,8 +289,7 @@ class LoopState:
             await self._fetch(fetch)
 
     async def _fetch(self, digests: list[str]) -> None:
-        """Read the results of ``digests`` from the cache and hand them over; one that is gone
-        (evicted or expired since) is submitted again."""
+        """Read the results of ``digests`` and hand them over; one gone since is submitted again."""
         c = self.target
         wanted = [self.pending[d] for d in digests if d in self.pending]
         if not wanted:
@@ -308,8 +310,7 @@ class LoopState:
                 self._settle(p, value)
 
     async def _housekeep(self) -> None:
-        """Time out what passed its deadline; re-submit what has waited ``resend_s`` (a no-op
-        unless Redis lost the message)."""
+        """Time out what passed its deadline; re-submit what waited ``resend_s`` (see above)."""
         resend_s = self.target.settings.resend_s
         while not self.closing:
             await asyncio.sleep(HOUSEKEEPING_S)
@@ -369,8 +370,7 @@ class LoopState:
 
     def _awaited(self) -> bool:
         """A reply is awaited that no whole request's own pop is waiting for."""
-        whole = self.whole
-        mine = whole is not None and self.pending.get(whole.prepared.digest) is whole
+        mine = self.whole is not None and self.pending.get(self.whole.prepared.digest) is self.whole
         return len(self.pending) > int(mine)
 
     def _deliver(self, raws: list[bytes]) -> list[str]:

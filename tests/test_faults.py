@@ -119,6 +119,52 @@ async def test_a_restart_that_answers_loading_for_seconds_loses_nothing(
 
 
 @pytest.mark.asyncio
+async def test_requests_sent_while_redis_loads_its_data_wait_for_it_without_hammering_it(
+    workers: Callable[..., Any],
+) -> None:
+    """Requests made while a restarted Redis answers LOADING (~3 s) are answered once it has
+    loaded, their SUBMITs repeated after growing pauses as when Redis is unreachable (before:
+    at once, one round trip after another, as long as the loading lasted; before today's
+    ``shared.resp.Loading``, the callers failed at once with "submit failed")."""
+    with RedisServer(appendonly=True, loading_delay_us=1000) as server:
+        r = redis.Redis.from_url(server.url)
+        r.mset({f"filler:{i}": "x" for i in range(3000)})
+        r.bgrewriteaof()
+
+        def rewritten() -> bool:
+            return not cast(dict[str, Any], r.info("persistence"))["aof_rewrite_in_progress"]
+
+        await wait_until(rewritten, 10, "the AOF rewritten")
+        workers(server.url, backend="mock", mock_vocab_size=V)
+        async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=30) as lm:
+            assert torch.equal(await lm.next_token_logprobs([1]), reference([1]))
+            restart = asyncio.create_task(asyncio.to_thread(server.restart))
+
+            def loading() -> bool:
+                try:
+                    r.ping()
+                except redis.exceptions.BusyLoadingError:
+                    return True
+                except redis.ConnectionError:
+                    pass
+                return False
+
+            await wait_until(loading, 10, "Redis loading")
+            prompts = [[7], [8, 9], [10, 11, 12]]
+            alone = asyncio.create_task(lm.next_token_logprobs([13]))  # alone: the one-trip path
+            await asyncio.sleep(0.5)
+            rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+            assert torch.equal(await alone, reference([13]))
+            await restart
+        for row, ids in zip(rows, prompts, strict=True):
+            assert torch.equal(row, reference(ids))
+        stats = cast(dict[str, Any], r.info("commandstats"))
+        refused = stats.get("cmdstat_evalsha", {}).get("rejected_calls", 0)
+        assert refused < 30, stats.get("cmdstat_evalsha")  # 10 here; 74 and 80 before
+        r.close()
+
+
+@pytest.mark.asyncio
 async def test_poison_prompt_is_dead_lettered_and_its_producer_told(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:
