@@ -656,6 +656,41 @@ async def test_a_full_capped_redis_evicts_results_and_every_answer_is_right(
 
 
 @pytest.mark.asyncio
+async def test_a_redis_full_of_unread_results_is_freed_by_the_workers_sweep(
+    workers: Callable[..., Any],
+) -> None:
+    """Unread results keep no TTL until they are due (askers gone), so a capped Redis full of
+    them refuses every write (volatile-lru finds nothing to evict), the worker's heartbeat
+    included. The heartbeat's sweep, which gives due results their TTL and is never refused
+    at the cap, runs first: Redis takes writes again within a few heartbeats (before: the
+    refused heartbeat skipped the sweep, and Redis stayed full for good)."""
+    with RedisServer(maxmemory_mb=8, maxmemory_policy="volatile-lru") as server:
+        w = workers(server.url, backend="mock", mock_vocab_size=V, heartbeat_s=0.2)
+        r = redis.Redis.from_url(server.url)
+        for i in range(10_000):  # results whose askers left: due long ago, no TTL yet
+            digest = f"{i:040x}"
+            try:
+                r.zadd(KEYS.due(MODEL, i % 4), {f"r:{digest}": 0})
+                r.set(KEYS.result(MODEL, i % 4, digest), b"x" * 100_000)
+            except redis.exceptions.OutOfMemoryError:
+                break
+        else:
+            raise AssertionError("Redis never filled up")
+
+        def writable() -> bool:
+            try:
+                return bool(r.set("probe", b"x" * 100_000, px=60_000))
+            except redis.exceptions.OutOfMemoryError:
+                return False
+
+        await wait_until(writable, 10, "Redis taking writes again")
+        async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=30) as lm:
+            assert torch.equal(await lm.next_token_logprobs([4, 2]), reference([4, 2]))
+        assert w.alive()
+        r.close()
+
+
+@pytest.mark.asyncio
 async def test_key_count_returns_to_baseline_after_producers_vanish(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

@@ -203,12 +203,14 @@ class PoolWorker:
             if self._stopping.is_set():
                 return
             try:
+                # First: it frees memory (no command it runs is refused at Redis' memory cap),
+                # so that on a Redis full of unread results the writes below can run again.
+                await self.consumer.writer.sweep(self.settings.shards)
                 await self._sync_clock()
                 await self._republish_if_lost()
                 await self._beat()
                 await self._rebalance()
                 await self.consumer.adapters.sync()
-                await self.consumer.writer.sweep(self.settings.shards)
                 # rows made in the compute thread and freed in this one (shared.heap)
                 await asyncio.to_thread(heap.give_back_freed_memory)
             except TRANSIENT as e:
