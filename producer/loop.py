@@ -214,7 +214,7 @@ class LoopState:
         # Only now does the listener pop: a reply cannot come before its request is queued,
         # and a listener that dies (NOPERM) must not end this state in mid-submission.
         self.wake.set()
-        fetch, again = [], []  # again: answered LOADING (a restart reading its data), ...
+        fetch, again = [], []  # again: (request, error) answered LOADING (a restart loading)
         for prepared, outcome in Submitter.outcomes(calls, answers):
             p = by_digest[prepared.digest]
             if self.pending.get(prepared.digest) is not p:

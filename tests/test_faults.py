@@ -90,6 +90,19 @@ async def test_redis_restart_with_aof_mid_load_loses_nothing(
         await wait_until(lambda: pending_count(server.url) == 0, 30, "no entry left pending")
 
 
+async def slow_to_load(r: redis.Redis) -> None:
+    """Give a ``RedisServer(appendonly=True, loading_delay_us=1000)`` 3,000 keys in its AOF's
+    base, an RDB, whose keys load one by one (the delay applies): a restart answers LOADING
+    for ~3 s."""
+    r.mset({f"filler:{i}": "x" for i in range(3000)})
+    r.bgrewriteaof()
+
+    def rewritten() -> bool:
+        return not cast(dict[str, Any], r.info("persistence"))["aof_rewrite_in_progress"]
+
+    await wait_until(rewritten, 10, "the AOF rewritten")
+
+
 @pytest.mark.asyncio
 async def test_a_restart_that_answers_loading_for_seconds_loses_nothing(
     workers: Callable[..., Any], tmp_path: Any
@@ -100,13 +113,7 @@ async def test_a_restart_that_answers_loading_for_seconds_loses_nothing(
     its writer died on LOADING, the entry stayed pending for good and the asker timed out)."""
     with RedisServer(appendonly=True, loading_delay_us=1000) as server:
         r = redis.Redis.from_url(server.url)
-        r.mset({f"filler:{i}": "x" for i in range(3000)})
-        r.bgrewriteaof()  # the AOF's base, an RDB: its keys load one by one (the delay applies)
-
-        def rewritten() -> bool:
-            return not cast(dict[str, Any], r.info("persistence"))["aof_rewrite_in_progress"]
-
-        await wait_until(rewritten, 10, "the AOF rewritten")
+        await slow_to_load(r)
         w = workers(server.url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000)
         async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=30) as lm:
             ask = asyncio.create_task(lm.next_token_logprobs([3, 4, 5]))
@@ -128,13 +135,7 @@ async def test_requests_sent_while_redis_loads_its_data_wait_for_it_without_hamm
     ``shared.resp.Loading``, the callers failed at once with "submit failed")."""
     with RedisServer(appendonly=True, loading_delay_us=1000) as server:
         r = redis.Redis.from_url(server.url)
-        r.mset({f"filler:{i}": "x" for i in range(3000)})
-        r.bgrewriteaof()
-
-        def rewritten() -> bool:
-            return not cast(dict[str, Any], r.info("persistence"))["aof_rewrite_in_progress"]
-
-        await wait_until(rewritten, 10, "the AOF rewritten")
+        await slow_to_load(r)
         workers(server.url, backend="mock", mock_vocab_size=V)
         async with await RemoteLM.connect(server.url, model=MODEL, timeout_s=30) as lm:
             assert torch.equal(await lm.next_token_logprobs([1]), reference([1]))
