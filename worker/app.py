@@ -7,9 +7,11 @@ never pickle: anyone who can write to Redis must not be able to run code on a GP
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import sys
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -42,6 +44,7 @@ def load_settings() -> Settings:
 async def startup(ctx: dict[str, Any]) -> None:
     try:
         await _start(ctx)
+        ARQ_RETRY.serve()
     except SettingsError as e:  # found once the servers or the model were looked at
         log.error("%s", e)
         raise SystemExit(2) from None
@@ -165,8 +168,68 @@ _previous_hook = sys.excepthook
 sys.excepthook = _report_unreachable
 
 
+class ServingRetry(Retry):
+    """How arq's connections retry; one object for all of them (redis-py copies a retry into
+    each connection it opens: ``__deepcopy__`` hands out this one), in three phases:
+
+    - start-up: ``retries`` attempts, a refused connection not retried: a worker whose Redis
+      does not answer ends with one line (arq's own start-up attempts, then ``unreachable``);
+    - serving (``serve``, once start-up is done): an outage, refused connections included, is
+      waited out however long it lasts (a Redis restart loading its data), one warning line when
+      it begins and one when it ends; the stream side does the same (``shared.redis_conn``);
+    - stopping (a wait between attempts was cancelled: arq cancels its main task on SIGTERM or
+      SIGINT): at most ``STOP_RETRIES`` more attempts a call, so that a stop during an outage
+      ends; what the worker held stays pending and is taken over by another worker.
+    """
+
+    STOP_RETRIES = 2
+
+    def __init__(self, retries: int) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.1), retries)
+        self.serving = False
+        self.stopping = False
+        self.out_since: float | None = None
+        """When the current outage began (monotonic), None while Redis answers."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ServingRetry:
+        return self
+
+    def serve(self) -> None:
+        self.serving = True
+        self._supported_errors = (RedisConnectionError, RedisTimeoutError, OSError)  # type: ignore[assignment]
+
+    async def call_with_retry(self, do: Callable[[], Any], fail: Callable[[Any], Any]) -> Any:
+        if not self.serving:
+            return await super().call_with_retry(do, fail)
+        failures = 0
+        while True:
+            try:
+                result = await do()
+            except self._supported_errors as error:
+                failures += 1
+                await fail(error)
+                if self.stopping and failures > self.STOP_RETRIES:
+                    raise
+                if self.out_since is None:
+                    self.out_since = time.monotonic()
+                    log.warning("arq's connection to Redis failed (%r); retrying until it "
+                                "answers", error)  # fmt: skip
+                try:
+                    await asyncio.sleep(self._backoff.compute(failures))
+                except asyncio.CancelledError:
+                    self.stopping = True
+                    raise
+                continue
+            if self.out_since is not None:
+                log.warning("arq's connection to Redis is back after %.1f s",
+                            time.monotonic() - self.out_since)  # fmt: skip
+                self.out_since = None
+            return result
+
+
 def redis_settings(url: str) -> RedisSettings:
-    """arq's connection settings, retrying through short Redis outages instead of exiting."""
+    """arq's connection settings: short outages retried at start-up, any outage once serving
+    (``ServingRetry``)."""
     settings = RedisSettings.from_dsn(url)
     query = parse_qs(urlparse(url).query)
     if "ssl_ca_certs" in query:  # rediss://...?ssl_ca_certs=/path/ca.pem, as redis-py reads it
@@ -174,7 +237,7 @@ def redis_settings(url: str) -> RedisSettings:
     if "ssl_cert_reqs" in query:
         settings.ssl_cert_reqs = query["ssl_cert_reqs"][0]
     settings.retry_on_error = [RedisConnectionError, RedisTimeoutError]
-    settings.retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=12)
+    settings.retry = ServingRetry(retries=12)
     return settings
 
 
@@ -192,3 +255,6 @@ class WorkerSettings:
     job_timeout = 24 * 3600
     keep_result = 3600
     poll_delay = 0.5
+
+
+ARQ_RETRY: ServingRetry = WorkerSettings.redis_settings.retry  # type: ignore[assignment]
