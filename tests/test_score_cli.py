@@ -265,6 +265,104 @@ def test_bad_lines_fail_alone_and_are_retried(redis_url: str, tmp_path: Path) ->
     assert not (tmp_path / "out.jsonl.errors.jsonl").exists()
 
 
+def test_an_unreadable_line_does_not_take_the_id_of_its_number(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A line that is not JSON is named by its number in the errors; a line whose own id is
+    that number is scored, not refused as a second line of that id."""
+    inp = write_jsonl(tmp_path / "in.jsonl", ['{"ids": [1, 2', {"id": 1, "ids": [3, 4]}])
+    out = tmp_path / "out.jsonl"
+    res = run_cli(redis_url, inp, out, "--top-k", 3)
+    assert res.returncode == 1 and "1 done, 0 skipped (already done), 1 failed" in res.stdout
+    assert [r["id"] for r in read_jsonl(out)] == [1]
+    (failed,) = read_jsonl(tmp_path / "out.jsonl.errors.jsonl")
+    assert failed["line"] == 1 and "not JSON" in failed["error"]
+
+
+def test_a_file_that_is_no_output_is_left_as_it_is(redis_url: str, tmp_path: Path) -> None:
+    """INPUT and OUTPUT swapped: the prompts, given as the output, are refused and keep every
+    byte, their last line too (no newline after it: it was cut off as a torn line), and so is
+    a one-line file without a newline."""
+    prompts = tmp_path / "prompts.jsonl"
+    for content in ('{"id": "a", "ids": [1, 2]}\n{"id": "b", "ids": [3, 4]}', '{"ids": [5]}'):
+        prompts.write_text(content)
+        results = write_jsonl(tmp_path / "results.jsonl", [{"ids": [5]}])
+        for more in ((), ("--top-k", 5), ("--mode", "score")):
+            res = run_cli(redis_url, results, prompts, *more)
+            assert res.returncode == 2, res.stderr
+            assert "lmpool-score:" in res.stderr and "Traceback" not in res.stderr
+            assert prompts.read_text() == content, more
+
+
+def test_a_torn_last_line_is_cut_and_scored_again(redis_url: str, tmp_path: Path) -> None:
+    """A kill can leave an output's last line without its newline, cut short or (a write cut
+    just before it) whole: either is taken off and its line scored again."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "ids": prompt(i)} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    assert run_cli(redis_url, inp, out, "--top-k", 3).returncode == 0
+    whole = out.read_bytes()
+    for cut in (whole[:-1], whole[:-9]):
+        out.write_bytes(cut)
+        res = run_cli(redis_url, inp, out, "--top-k", 3)
+        assert res.returncode == 0 and "1 done, 3 skipped" in res.stdout, res.stdout
+        assert out.read_bytes() == whole
+
+
+def test_an_input_read_once_is_refused(redis_url: str, tmp_path: Path) -> None:
+    """A pipe is read once: counted, it would score nothing and exit 0 (a named pipe blocked
+    for good). It is refused at start, the output untouched."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"ids": prompt(i)} for i in range(5)])
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run(
+        cli(redis_url, "/dev/stdin", out), input=src.read_text(), cwd=REPO, env=env(),
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    named = run_cli(redis_url, fifo, tmp_path / "out2.jsonl")
+    for r in (res, named):
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+    assert not out.exists()
+    missing = run_cli(redis_url, tmp_path / "nowhere.jsonl", out)
+    assert missing.returncode == 2 and "no input file" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [("--max-tokens", 2_000_000, "max_tokens"), ("--seed", 2**70, "seed")],
+)
+def test_a_setting_no_request_can_have_is_refused_at_start(
+    redis_url: str, tmp_path: Path, flag: str, value: int, said: str
+) -> None:
+    """Not every line sent and failed alone: the run stops at once, as ``--max-tokens 0``."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"ids": prompt(i)} for i in range(5)])
+    res = run_cli(redis_url, inp, tmp_path / "out.jsonl", "--mode", "sample", flag, value)
+    assert res.returncode == 2 and said in res.stderr, res.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_continuation_text_is_scored_without_the_prompts_special_tokens() -> None:
+    """A tokenizer that puts BOS before every text (Llama, Mistral, Gemma): the prompt's text
+    gets it, the continuation's does not (its scores would start with log p(BOS | prompt))."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from producer.scoring.inputs import make_item
+    from producer.scoring.options import ScoreOptions
+
+    vocab = {chr(c): c - 97 for c in range(97, 123)} | {"<s>": 26}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 26)]
+    )
+    bos = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
+    line = {"text": "ab", "continuation_text": "cd"}
+    item = make_item(line, "x", 1, ScoreOptions(mode="score"), bos)
+    assert item.prompt == [26, 0, 1]
+    assert item.continuation == [2, 3]
+
+
 @pytest.mark.asyncio
 async def test_arq_job_scores_the_file_and_reports_progress(redis_url: str, tmp_path: Path) -> None:
     from arq import create_pool

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.scoring.options import Key, ScoreOptions
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, LMPoolError
 
 
 @dataclass
@@ -29,6 +29,10 @@ class Item:
     seed: int | None = None
 
 
+class InputError(LMPoolError):
+    """The input cannot be read as a run needs it."""
+
+
 class LineError(Exception):
     """An input line that cannot be requested; ``key`` names it in the errors file."""
 
@@ -36,6 +40,19 @@ class LineError(Exception):
         super().__init__(str(error))
         self.key = key
         self.error = error
+
+
+def check_input(path: str | os.PathLike[str]) -> None:
+    """A run reads its input twice (its lines counted, then scored) and a resume reads it
+    again: a pipe (``<(zcat ...)``, ``/dev/stdin``) would be read once and score nothing, a
+    named one would block. ``InputError`` unless ``path`` is a regular file."""
+    if not os.path.exists(path):
+        raise InputError(f"no input file {os.fspath(path)!r}")
+    if not os.path.isfile(path):
+        raise InputError(
+            f"the input {os.fspath(path)!r} is not a regular file (a pipe?): it is read more "
+            "than once (counted, scored, and again on a resume); write it to a file first"
+        )
 
 
 def iter_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
@@ -60,7 +77,12 @@ def line_key(obj: Any, lineno: int) -> Key:
     return key
 
 
-def _token_ids(obj: dict[str, Any], ids_field: str, text_field: str, tokenizer: Any) -> list[int]:
+def _token_ids(
+    obj: dict[str, Any], ids_field: str, text_field: str, tokenizer: Any, special: bool = True
+) -> list[int]:
+    """The ids of ``ids_field``, or of ``text_field`` tokenized; ``special``: with the special
+    tokens the tokenizer adds to a text of its own (a BOS), as to a prompt, not to a
+    continuation (its scores would start with the BOS's)."""
     if ids_field in obj:
         ids = obj[ids_field]
         if not isinstance(ids, list):
@@ -70,7 +92,7 @@ def _token_ids(obj: dict[str, Any], ids_field: str, text_field: str, tokenizer: 
         text = obj[text_field]
         if not isinstance(text, str):
             raise InvalidRequest(f"{text_field!r} must be a string")
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=special))
     raise InvalidRequest(f"line has neither {ids_field!r} nor {text_field!r}")
 
 
@@ -91,7 +113,9 @@ def make_item(obj: Any, key: Key, lineno: int, options: ScoreOptions, tokenizer:
             raise InvalidRequest(f"line {lineno} is not a JSON object")
         item = Item(key, lineno, _token_ids(obj, "ids", "text", tokenizer))
         if options.mode == "score":
-            item.continuation = _token_ids(obj, "continuation", "continuation_text", tokenizer)
+            item.continuation = _token_ids(
+                obj, "continuation", "continuation_text", tokenizer, special=False
+            )
         if options.mode == "sample":
             seed = obj.get("seed", options.seed)
             if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from producer.inputs import sample_params
+from shared.errors import InvalidRequest
+
 Key: TypeAlias = int | str
 """A line's ``id``: its own, or its 1-based line number."""
 MODES = ("logprobs", "sample", "score")
@@ -34,6 +37,10 @@ class ScoreOptions:
             raise ValueError("max_tokens, concurrency and shard_rows must be >= 1")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0")
+        try:  # the limits every request is held to, checked once (not failing every line)
+            sample_params(self.max_tokens, [], self.temperature, self.seed)
+        except InvalidRequest as e:
+            raise ValueError(str(e)) from None
 
     @property
     def full_vectors(self) -> bool:

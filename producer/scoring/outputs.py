@@ -9,7 +9,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from producer.scoring.files import OutputError, read_jsonl, run_path, shard_dir
+from producer.scoring.files import OutputError, run_path, scan_jsonl, shard_dir
 from producer.scoring.options import Key, ScoreOptions
 from producer.scoring.shards import ShardStore
 
@@ -29,21 +29,34 @@ class Output:
         self.file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
         try:
             _lock(self.file, self.path)
-            records = read_jsonl(self.path, repair=True)
-            for record in records:
+            first: list[dict[str, Any]] = []
+
+            def keep(record: dict[str, Any]) -> tuple[Key, Any, Any]:
                 if options.signature not in record:
                     raise OutputError(
                         f"{self.path} holds results of another mode (a line without "
                         f"{options.signature!r}); pick another output or that mode"
                     )
-            if records and options.top_k is not None:
+                if not first:
+                    first.append(record)
+                return record["id"], record.get("shard"), record.get("row")
+
+            done, torn_at = scan_jsonl(self.path, keep)
+            if first and options.top_k is not None:
                 k = min(options.top_k, vocab_size)
-                if len(records[0]["top_ids"]) != k:
-                    raise OutputError(f"{self.path} holds top-{len(records[0]['top_ids'])} lines")
-            _keep_run_settings(self.path, {"model": model, **options.decisive}, bool(records))
-            self.done: set[Key] = {r["id"] for r in records}
+                if len(first[0]["top_ids"]) != k:
+                    raise OutputError(f"{self.path} holds top-{len(first[0]['top_ids'])} lines")
+            _keep_run_settings(self.path, {"model": model, **options.decisive}, bool(done))
+            if torn_at is not None:  # only now: the file is known to be this output
+                os.truncate(self.path, torn_at)
+            self.done: set[Key] = {key for key, _, _ in done}
             self.shards = (
-                ShardStore(shard_dir(self.path), vocab_size, options.shard_rows, records)
+                ShardStore(
+                    shard_dir(self.path),
+                    vocab_size,
+                    options.shard_rows,
+                    [(shard, row) for _, shard, row in done],
+                )
                 if options.full_vectors
                 else None
             )

@@ -20,7 +20,15 @@ import torch
 
 from producer.remote_lm import RemoteLM
 from producer.scoring.files import errors_path
-from producer.scoring.inputs import Item, LineError, count_lines, iter_lines, make_item, read_line
+from producer.scoring.inputs import (
+    Item,
+    LineError,
+    check_input,
+    count_lines,
+    iter_lines,
+    make_item,
+    read_line,
+)
 from producer.scoring.options import Key, ScoreOptions
 from producer.scoring.outputs import Output
 from shared.errors import InvalidRequest, LMPoolError
@@ -115,6 +123,7 @@ async def score_jsonl(
     stats = stats if stats is not None else ScoreStats()
     # Reading back a long output or counting a long input would stall the event loop (in a
     # worker: its heartbeat), so both run in a thread.
+    check_input(input_path)
     output = await asyncio.to_thread(Output, output_path, options, lm.vocab_size, lm.model)
     err_path = errors_path(output_path)
     try:
@@ -164,11 +173,11 @@ async def score_jsonl(
         for lineno, raw in iter_lines(input_path):
             if lineno % 1024 == 0:
                 await asyncio.sleep(0)  # skipping done lines never waits: let others run
-            problem: BaseException | None = None
             try:
                 key, obj = read_line(raw, lineno)
-            except LineError as e:
-                key, obj, problem = e.key, None, e.error
+            except LineError as e:  # named by its line number, which is no id: not in seen
+                fail(e.key, lineno, e.error)
+                continue
             if key in seen:
                 fail(key, lineno, InvalidRequest(f"id {key!r} appears on more than one line"))
                 continue
@@ -177,8 +186,6 @@ async def score_jsonl(
                 stats.skipped += 1  # not even tokenized
                 continue
             try:
-                if problem is not None:
-                    raise LineError(key, problem)
                 item = make_item(obj, key, lineno, options, lm.tokenizer)
             except LineError as e:
                 fail(key, lineno, e.error)

@@ -43,7 +43,7 @@ class ShardStore:
     the index line naming the row is written only after that, so every indexed row is whole.
     """
 
-    def __init__(self, directory: Path, cols: int, shard_rows: int, index: list[dict[str, Any]]):
+    def __init__(self, directory: Path, cols: int, shard_rows: int, index: list[tuple[Any, Any]]):
         self.dir = directory
         self.cols = cols
         self.shard_rows = shard_rows
@@ -59,13 +59,13 @@ class ShardStore:
     def name(number: int) -> str:
         return f"shard-{number:05d}.npy"
 
-    def _repair(self, index: list[dict[str, Any]]) -> dict[int, int]:
-        """Cut each shard to the rows its index names; ``{shard number: rows}``."""
+    def _repair(self, index: list[tuple[Any, Any]]) -> dict[int, int]:
+        """Cut each shard to the rows its index names (``(shard, row)`` of each line);
+        ``{shard number: rows}``."""
         wanted: dict[str, int] = {}
-        for record in index:
-            shard, row = record.get("shard"), record.get("row")
+        for shard, row in index:
             if not isinstance(shard, str) or not isinstance(row, int):
-                raise OutputError(f"index line {record!r} names no shard row")
+                raise OutputError(f"an index line names no shard row: {shard!r}, {row!r}")
             wanted[shard] = max(wanted.get(shard, 0), row + 1)
         numbers: dict[int, int] = {}
         for path in sorted(self.dir.glob("shard-*.npy")):
