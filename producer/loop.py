@@ -23,7 +23,7 @@ from producer.connections import LoopConnections
 from producer.submit import LISTEN_BLOCK_S, REPLIES_PER_POP, Prepared, Submitter
 from producer.target import Target
 from shared import protocol
-from shared.aio import wait_event
+from shared.aio import cancelling, wait_event
 from shared.errors import Expired, LMPoolError, ProtocolError, RequestTimeout
 from shared.redis_conn import TRANSIENT, Backoff
 
@@ -136,13 +136,18 @@ class LoopState:
         await self._leave(p.prepared)
 
     async def _leave(self, prepared: Prepared) -> None:
-        """Stop waiting for a digest (workers skip one nobody waits for), unless asked again."""
+        """Stop waiting for a digest (workers skip one nobody waits for), unless asked again.
+        Asked again while the SREM is on its way, its SUBMIT (on another connection) may reach
+        Redis first and join the set the SREM then leaves: it is submitted once more."""
         if prepared.digest in self.pending:
             return
         c = self.target
         with contextlib.suppress(Exception):
             key = c.keys.waiters(c.model, prepared.shard, prepared.digest)
             await self.redis.srem(key, self.reply_key)  # type: ignore[misc]
+        again = self.pending.get(prepared.digest)
+        if again is not None and again not in self.queue and not self.closing:
+            self._enqueue(again)
 
     def _forget(self, p: Pending) -> None:
         if self.pending.get(p.prepared.digest) is p:
@@ -333,7 +338,7 @@ class LoopState:
         me = asyncio.current_task()
         try:
             while not self.closing:
-                if _cancelling(me):
+                if cancelling(me):
                     # redis-py (asyncio.wait_for on Python 3.11) can swallow a cancel: the
                     # loop ending under us must still end this task
                     raise asyncio.CancelledError
@@ -442,9 +447,3 @@ class LoopState:
                 await asyncio.wait(tasks, timeout=5)
         finally:  # also when this loop ends and cancels the ending meanwhile (asyncio.run)
             await self.conns.leave_and_close(waiting, self.reply_key)
-
-
-def _cancelling(task: asyncio.Task[Any] | None) -> bool:
-    """Whether ``task`` was asked to cancel (Python >= 3.11 counts it even if swallowed)."""
-    counter = getattr(task, "cancelling", None)
-    return bool(counter()) if counter is not None else False

@@ -7,6 +7,8 @@ thread: its own synchronous client and reply list, so it never touches an event 
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 import uuid
 from collections import defaultdict
@@ -184,6 +186,15 @@ class SyncState:
             target, target.keys.reply(f"{target.client_id}-t{uuid.uuid4().hex[:8]}")
         )
 
+    def _leave(self, gone: list[Prepared]) -> None:
+        """Stop waiting for these (workers skip a digest nobody waits for), best effort."""
+        c = self.target
+        with contextlib.suppress(Exception):
+            pipe = self.redis.pipeline(transaction=False)
+            for p in gone:
+                pipe.srem(c.keys.waiters(c.model, p.shard, p.digest), self.submitter.reply_key)
+            pipe.execute()
+
     def request_many(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
         c = self.target
         deadline = time.monotonic() + timeout_s
@@ -199,6 +210,7 @@ class SyncState:
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
+                self._leave([wanted[d] for d in waiting])
                 state = c.queue_state_sync(self.redis)
                 raise RequestTimeout(
                     f"no answer from model {c.model!r} within {timeout_s:g}s ({state})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from typing import Any
 
 if sys.version_info >= (3, 11):
 
@@ -21,3 +22,9 @@ else:
         """Wait until ``event`` is set or ``timeout_s`` passed."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), timeout_s)
+
+
+def cancelling(task: asyncio.Task[Any] | None) -> bool:
+    """Whether ``task`` was asked to cancel (Python >= 3.11 counts it even if swallowed)."""
+    counter = getattr(task, "cancelling", None)
+    return bool(counter()) if counter is not None else False

@@ -513,6 +513,56 @@ async def test_a_request_asked_again_after_its_only_asker_left_is_answered(
     r.close()
 
 
+@pytest.mark.asyncio
+async def test_a_request_asked_again_while_its_leaving_is_on_its_way_is_answered(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Asked again at once after its only asker cancelled: the new SUBMIT (on its own
+    connection) may reach Redis before the leaving SREM, join the waiter set, and be taken out
+    of it by that SREM; the worker then skips it and nobody is told. Answered within a step,
+    not after LMPOOL_RESEND_S (longer than the timeout here: a RequestTimeout before)."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=300, max_batch=1)
+    settings = Settings(redis_url=redis_url, timeout_s=8, resend_s=30)
+    async with await RemoteLM.connect(model=MODEL, settings=settings) as lm:
+        blocker = asyncio.create_task(lm.next_token_logprobs([9, 9]))
+        await w.wait_counter("requests", 0)
+        await asyncio.sleep(0.1)
+        first = asyncio.create_task(lm.next_token_logprobs([5, 6]))
+        await asyncio.sleep(0.05)  # queued behind the blocker
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.sleep(0)  # its leaving has begun
+        started = time.monotonic()
+        row = await lm.next_token_logprobs([5, 6])
+        took = time.monotonic() - started
+        await blocker
+    assert torch.equal(row, reference([5, 6]))
+    assert took < 3, took
+
+
+@pytest.mark.asyncio
+async def test_a_blocking_call_that_times_out_leaves_its_waiter_sets(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """As an async one does: the worker then skips what nobody waits for (it computed all of it,
+    and pushed replies nobody read)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=400, max_batch=1)
+    settings = Settings(redis_url=redis_url, timeout_s=0.5)
+    r = redis.Redis.from_url(redis_url)
+    async with await RemoteLM.connect(model=MODEL, settings=settings) as lm:
+        blocker = asyncio.create_task(asyncio.to_thread(lm.next_token_logprobs_sync, [9, 9]))
+        await asyncio.sleep(0.1)  # the worker is busy for 400 ms
+        prompts = [[i, 8] for i in range(4)]
+        with pytest.raises(RequestTimeout):
+            await asyncio.to_thread(lm.batch_next_token_logprobs_sync, prompts)
+        prepared = [lm._prepare("logprobs", ids, None, {}) for ids in prompts]
+        sets = [Keys().waiters(MODEL, p.shard, p.digest) for p in prepared]
+        left = [r.smembers(key) for key in sets]
+        await asyncio.gather(blocker, return_exceptions=True)
+    r.close()
+    assert not any(left), left
+
+
 class Evictor(threading.Thread):
     """Deletes every result the moment it is first written (as Redis evicts under
     ``maxmemory``), from keyspace notifications."""
