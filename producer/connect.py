@@ -128,7 +128,10 @@ def _wait_for_model_sync(settings: Settings, model: str) -> tuple[ModelMeta, flo
         tenant = resolve_tenant(settings.tenant, acl_user_sync(redis))
         waiting = _Waiting(settings, model)
         while True:
-            alive = redis.zrangebyscore(keys.workers(model), registry.now_ms(), "+inf")
+            seconds, micros = redis.time()  # heartbeats are on the server's clock
+            alive = redis.zrangebyscore(
+                keys.workers(model), seconds * 1000 + micros // 1000, "+inf"
+            )
             raw: Any = redis.hgetall(keys.meta(model)) if alive else None
             if raw:
                 t0 = time.time()

@@ -8,7 +8,6 @@ thread: its own synchronous client and reply list, so it never touches an event 
 from __future__ import annotations
 
 import contextlib
-
 import time
 import uuid
 from collections import defaultdict

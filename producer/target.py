@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import registry
 from shared.keys import GROUP, Keys
 from shared.redis_conn import AnyRedis
 from shared.settings import Settings
@@ -77,7 +76,7 @@ class Target:
     def _ask_queue_state(self, pipe: Any) -> None:
         """Queue what :meth:`_queue_state_line` reads: live workers, then each stream's length
         and pending count."""
-        pipe.zrangebyscore(self.keys.workers(self.model), registry.now_ms(), "+inf")
+        pipe.zrangebyscore(self.keys.workers(self.model), int(self.redis_now_ms()), "+inf")
         for stream in self._streams():
             pipe.xlen(stream)
             pipe.xpending(stream, GROUP)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from typing import Any, TypedDict
 
 from shared.errors import ProtocolError
@@ -63,13 +62,21 @@ class ModelMeta(ModelDescription):
     """The workers' wire protocol version."""
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+async def server_now_ms(redis: AnyRedis) -> int:
+    """Now on the Redis server's clock (heartbeats, quota leases and entry ids are on it: a
+    host whose own clock is off neither hides a live worker nor shows a dead one)."""
+    seconds, micros = await redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
-async def live_workers(redis: AnyRedis, keys: Keys, model: str) -> list[str]:
-    """Ids of the workers of ``model`` whose heartbeat has not lapsed."""
-    ids = await redis.zrangebyscore(keys.workers(model), now_ms(), "+inf")
+async def live_workers(
+    redis: AnyRedis, keys: Keys, model: str, now_ms: float | None = None
+) -> list[str]:
+    """Ids of the workers of ``model`` whose heartbeat has not lapsed at ``now_ms`` (the Redis
+    server's clock; read from it when not given)."""
+    if now_ms is None:
+        now_ms = await server_now_ms(redis)
+    ids = await redis.zrangebyscore(keys.workers(model), int(now_ms), "+inf")
     return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
 
@@ -113,12 +120,15 @@ async def heartbeat(
     worker_id: str,
     period_s: float,
     info: dict[str, Any],
+    now_ms: float,
 ) -> None:
-    alive_until = now_ms() + int(3 * period_s * 1000)
+    """``now_ms``: on the Redis server's clock (``server_now_ms``, or a worker's clock plus its
+    measured offset)."""
+    alive_until = int(now_ms) + int(3 * period_s * 1000)
     fields = {k: json.dumps(v) for k, v in info.items()}
     pipe = redis.pipeline(transaction=False)
     pipe.zadd(keys.workers(model), {worker_id: alive_until})
-    pipe.zremrangebyscore(keys.workers(model), "-inf", now_ms() - 3_600_000)
+    pipe.zremrangebyscore(keys.workers(model), "-inf", int(now_ms) - 3_600_000)
     pipe.hset(keys.worker(worker_id), mapping=fields)
     pipe.pexpire(keys.worker(worker_id), int(3 * period_s * 1000))
     await pipe.execute()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -26,6 +27,7 @@ BACKENDS = ("auto", "hf", "vllm", "sglang", "mock")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit", "awq", "gptq", "fp8", "bitsandbytes")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "WARN", "FATAL", "NOTSET")
 EAGER = ("auto", "true", "false")
 
 
@@ -228,6 +230,14 @@ class Settings:
         _check(self.wire_dtype in WIRE_DTYPES, f"LMPOOL_WIRE_DTYPE must be one of {WIRE_DTYPES}")
         _check(self.max_lora_mb >= 1, "LMPOOL_MAX_LORA_MB must be >= 1")
         _check(self.log_format in ("text", "json"), "LMPOOL_LOG_FORMAT must be text or json")
+        _check(
+            self.log_level.upper() in LOG_LEVELS,
+            f"LMPOOL_LOG_LEVEL must be one of {', '.join(LOG_LEVELS[:5])} (any case)",
+        )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                _check(math.isfinite(value), f"LMPOOL_{f.name.upper()} must be a finite number")
         _check(self.result_ttl_s >= 1, "LMPOOL_RESULT_TTL_S must be >= 1")
         _check(self.mock_vocab_size >= 2, "LMPOOL_MOCK_VOCAB_SIZE must be >= 2")
         _check(self.max_message_bytes >= 1024, "LMPOOL_MAX_MESSAGE_BYTES must be >= 1024")

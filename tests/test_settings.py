@@ -79,6 +79,9 @@ def test_a_misspelled_setting_names_the_closest_ones(var: str, hint: str | None)
         ("LMPOOL_ENGINE_OPTIONS", "{bad"),
         ("LMPOOL_KEY_PREFIX", "a:b"),
         ("LMPOOL_QUANTIZATION", "2bit"),
+        ("LMPOOL_LOG_LEVEL", "verbose"),
+        ("LMPOOL_HEARTBEAT_S", "inf"),
+        ("LMPOOL_CLAIM_AFTER_S", "nan"),
     ],
 )
 def test_bad_values_fail_at_start_up(var: str, value: str) -> None:
@@ -126,6 +129,22 @@ def test_a_bad_variable_stops_the_worker_with_one_line() -> None:
     assert res.stderr.strip() == (
         "lmpool worker: LMPOOL_WIRE_DTYPE must be one of ('float32', 'float16', 'bfloat16')"
     )
+    # a log level logging does not know, an infinite period: tracebacks (exit 1) before
+    for var, value in (("LMPOOL_LOG_LEVEL", "verbose"), ("LMPOOL_HEARTBEAT_S", "inf")):
+        res = _start_worker(**{var: value})
+        assert res.returncode == 2 and res.stderr.startswith(f"lmpool worker: {var} must")
+        assert "Traceback" not in res.stderr
+
+
+def test_the_hf_backend_refuses_an_engines_quantization(tiny_llama: Path) -> None:
+    """awq, gptq, fp8 and bitsandbytes are vllm's and sglang's: an hf worker loaded NF4 4-bit
+    for each of them, without a word."""
+    from worker.backends.hf import HFBackend
+
+    for mode in ("awq", "gptq", "fp8", "bitsandbytes"):
+        settings = Settings(model=str(tiny_llama), device="cpu", quantization=mode)
+        with pytest.raises(SettingsError, match=f"LMPOOL_QUANTIZATION={mode} is not one"):
+            HFBackend(settings)
 
 
 def test_what_the_machine_lacks_stops_the_worker_naming_the_setting(

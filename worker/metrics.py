@@ -6,7 +6,6 @@ in one process (tests) without clashing names.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -97,9 +96,9 @@ class Metrics:
         self.batch_size.observe(rows)
         self.batch_seconds.observe(seconds)
 
-    def observe_written(self, entry_ids: list[str], outcomes: list[str]) -> None:
-        """Entries answered in one write, and the outcome of each distinct request."""
-        now_ms = time.time() * 1000
+    def observe_written(self, entry_ids: list[str], outcomes: list[str], now_ms: float) -> None:
+        """Entries answered in one write, and the outcome of each distinct request; ``now_ms``
+        on the Redis server's clock, as the entry ids are (not this host's)."""
         for entry_id in entry_ids:
             # A stream entry id starts with the Redis server's clock (ms) at XADD time.
             added_ms = int(entry_id.split("-", 1)[0])

@@ -147,7 +147,9 @@ class PoolWorker:
         }
 
     async def _rebalance(self) -> None:
-        live = await registry.live_workers(self.redis, self.keys, self.model)
+        live = await registry.live_workers(
+            self.redis, self.keys, self.model, self.consumer.now_ms()
+        )
         before = set(self.leases.owned)
         after = await self.leases.refresh(len(live))
         if after != before:
@@ -195,6 +197,7 @@ class PoolWorker:
             self.worker_id,
             self.settings.heartbeat_s,
             self.describe(),
+            self.consumer.now_ms(),
         )
 
     async def _heartbeat_loop(self) -> None:

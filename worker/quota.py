@@ -17,7 +17,7 @@ import json
 
 from shared.keys import Keys, check_tenant
 from shared.redis_conn import AnyRedis, connect_redis
-from shared.registry import now_ms
+from shared.registry import server_now_ms
 from shared.settings import Settings
 
 FIELDS = ("in_flight", "tokens_per_s")
@@ -31,7 +31,7 @@ async def read_quotas(redis: AnyRedis, keys: Keys) -> dict[str, dict[str, float]
     for tenant in tenants:  # one tenant's keys share a slot; tenants' do not
         limits = await redis.hmget(keys.quota(tenant), list(FIELDS))  # type: ignore[misc]
         use = await redis.hmget(keys.quota_use(tenant), ["admitted", "refused"])  # type: ignore[misc]
-        alive = await redis.zcount(keys.quota_leases(tenant), now_ms(), "+inf")
+        alive = await redis.zcount(keys.quota_leases(tenant), await server_now_ms(redis), "+inf")
         out[tenant] = {
             **{f: float(v or 0) for f, v in zip(FIELDS, limits, strict=True)},
             "in_flight_now": int(alive),

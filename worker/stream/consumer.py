@@ -332,7 +332,9 @@ class Consumer:
         self.stats.busy_s = self.compute.busy_s
         entries = [e for j in jobs for e in j.entries]
         if self.metrics is not None:
-            self.metrics.observe_written([e.entry_id for e in entries], [j.outcome for j in jobs])
+            self.metrics.observe_written(
+                [e.entry_id for e in entries], [j.outcome for j in jobs], self.now_ms()
+            )
             self.metrics.observe_tenants(self.stats.tenants)
         if log.isEnabledFor(logging.DEBUG):
             answered = {j.digest: j.outcome for j in jobs}

@@ -268,6 +268,11 @@ def quantization_kwargs(mode: str, device: torch.device, dtype: torch.dtype) -> 
     """
     if mode == "none":
         return {}
+    if mode not in ("8bit", "4bit"):  # awq, gptq, fp8, bitsandbytes: the engines' schemes
+        raise SettingsError(
+            f"LMPOOL_QUANTIZATION={mode} is not one the hf backend loads: none, 8bit or 4bit "
+            "(bitsandbytes); awq, gptq, fp8 and bitsandbytes are vllm's and sglang's"
+        )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError(f"LMPOOL_QUANTIZATION={mode} needs bitsandbytes: pip install lmpool[bnb]")
     from transformers import BitsAndBytesConfig
