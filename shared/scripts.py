@@ -169,6 +169,21 @@ if #due > 0 then redis.call('ZREM', KEYS[1], unpack(due)) end
 return #due
 """
 
+FORGET = """
+-- Consumers that hold nothing leave a stream's group (XREADGROUP makes every worker process
+-- a consumer for good: stopped and dead ones would pile up). Each is checked and deleted at
+-- once: one that took an entry meanwhile stays, and no pending entry loses its owner.
+-- KEYS: the stream; ARGV: the group, then the consumers. Returns how many left.
+local n = 0
+for i = 2, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[i]) == 0 then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
 QUOTA = """
 -- A tenant's call asks to start: all its requests, or none of them (a refused call leaves no
 -- trace but its count). Producers run it before SUBMIT, for tenants with a quota.
@@ -377,3 +392,4 @@ SUBMIT_SCRIPT = Script(SUBMIT)
 FINISH_SCRIPT = Script(FINISH)
 SWEEP_SCRIPT = Script(SWEEP)
 QUOTA_SCRIPT = Script(QUOTA)
+FORGET_SCRIPT = Script(FORGET)

@@ -563,6 +563,45 @@ async def test_a_blocking_call_that_times_out_leaves_its_waiter_sets(
     assert not any(left), left
 
 
+def consumers(url: str) -> dict[str, int]:
+    """Every consumer of the model's groups (``stream:name``) and what it holds."""
+    r = redis.Redis.from_url(url)
+    out = {}
+    for stream in STREAMS:
+        if r.exists(stream):
+            for c in cast("list[dict[str, Any]]", r.xinfo_consumers(stream, GROUP)):
+                out[f"{stream}:{c['name'].decode()}"] = int(c["pending"])
+    r.close()
+    return out
+
+
+@pytest.mark.asyncio
+async def test_stopped_and_killed_workers_leave_the_groups(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Each worker process became a consumer of every stream for good: restarts piled them
+    up. A stopped worker leaves at once; a killed one that held nothing is taken out by the
+    others once idle past LMPOOL_CLAIM_AFTER_S; a live one stays."""
+    for i in range(2):
+        w = workers(redis_url, backend="mock", mock_vocab_size=V)
+        async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+            await asyncio.gather(*(lm.next_token_logprobs([j, i]) for j in range(8)))
+        before = consumers(redis_url)
+        w.stop()  # SIGTERM: it leaves
+        assert before and not consumers(redis_url), before
+    w = workers(redis_url, backend="mock", mock_vocab_size=V)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        await asyncio.gather(*(lm.next_token_logprobs([j, 5]) for j in range(8)))
+    killed = set(consumers(redis_url))
+    kill(w.proc)
+    survivor = workers(redis_url, backend="mock", mock_vocab_size=V, claim_after_s=1)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        await asyncio.gather(*(lm.next_token_logprobs([j, 6]) for j in range(8)))
+    await wait_until(lambda: not killed & set(consumers(redis_url)), 10, "the dead to leave")
+    left = consumers(redis_url)
+    assert left and all(name.endswith(survivor.worker_ids()[0]) for name in left), left
+
+
 class Evictor(threading.Thread):
     """Deletes every result the moment it is first written (as Redis evicts under
     ``maxmemory``), from keyspace notifications."""

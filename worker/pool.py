@@ -22,7 +22,7 @@ from worker.backends.base import Backend, EngineDead
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.stream.consumer import Consumer
-from worker.stream.reclaim import reclaim_loop, renew_loop
+from worker.stream.reclaim import leave_groups, reclaim_loop, renew_loop
 
 log = logging.getLogger("lmpool.worker")
 
@@ -233,6 +233,10 @@ class PoolWorker:
             await self.leases.release_all()
         except Exception:
             log.warning("could not release shard leases; they expire by themselves")
+        try:
+            await leave_groups(self.consumer)
+        except Exception:
+            log.warning("could not leave the streams' groups; other workers take this one out")
         await registry.unregister(self.redis, self.keys, self.model, self.worker_id)
         await self.redis.aclose()
         self.metrics.close()

@@ -26,6 +26,7 @@ from redis.exceptions import ResponseError
 from shared.aio import wait_event
 from shared.keys import GROUP
 from shared.redis_conn import TRANSIENT
+from shared.scripts import FORGET_SCRIPT, execute, run_script
 from worker.stream.consumer import Consumer
 from worker.stream.reader import stream_gone
 
@@ -38,6 +39,7 @@ async def reclaim_once(consumer: Consumer) -> int:
     idle_ms = int(s.claim_after_s * 1000)
     taken = 0
     for stream in consumer.streams:
+        await forget_consumers(consumer, stream, idle_ms)
         pending = await consumer.redis.xpending_range(
             stream, GROUP, min="-", max="+", count=4 * s.max_batch, idle=idle_ms
         )
@@ -76,6 +78,31 @@ async def reclaim_once(consumer: Consumer) -> int:
             claimed = await consumer.reader.claim(stream, list(doomed))
             await consumer.dead_letter(claimed, doomed)
     return taken
+
+
+async def forget_consumers(consumer: Consumer, stream: str, idle_ms: int) -> int:
+    """Take out of ``stream``'s group the other consumers idle past ``idle_ms`` (a live
+    worker reads every second at least) that hold nothing: stopped or dead workers' (one
+    holding entries stays until they are taken over). Returns how many."""
+    idle = [
+        _s(c["name"])
+        for c in await consumer.redis.xinfo_consumers(stream, GROUP)
+        if c["pending"] == 0 and c["idle"] >= idle_ms and _s(c["name"]) != consumer.name
+    ]
+    if not idle:
+        return 0
+    return int(await run_script(consumer.redis, FORGET_SCRIPT, [stream], [GROUP, *idle]))
+
+
+async def leave_groups(consumer: Consumer) -> None:
+    """A stopping worker's last word on the streams: out of their groups, where it holds
+    nothing (what it could not acknowledge stays pending under its name, to be taken over)."""
+
+    def build(pipe: Any) -> None:
+        for stream in consumer.streams:
+            FORGET_SCRIPT.queue(pipe, [stream], [GROUP, consumer.name])
+
+    await execute(consumer.redis, build, [FORGET_SCRIPT], raise_on_error=False)
 
 
 async def renew_held(consumer: Consumer) -> int:
