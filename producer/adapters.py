@@ -11,13 +11,15 @@ resolves a name to that id through the registry and keeps the answer for a momen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from producer.background import run_or_schedule
 from shared.errors import InvalidRequest, UnknownAdapter
 from shared.keys import Keys, check_name
 from shared.registry import AdapterEntry, adapter_entry, parse_adapter
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from producer.client import PoolClient
 
 T = TypeVar("T")
+log = logging.getLogger("lmpool.producer")
 
 CONFIG_FILE = "adapter_config.json"
 RESOLVE_TTL_S = 2.0
@@ -118,30 +121,27 @@ class AdapterMethods:
     _client: PoolClient
     model: str
     _adapters: AdapterNames
-    _adapter_tasks: dict[str, asyncio.Task[Any]]
+    _adapter_changes: dict[str, Future[Any]]
+    """Adapter changes made inside a loop, by name (``_adapter_change``)."""
+    _adapter_pool: ThreadPoolExecutor | None
 
     def add_new_lora(self, lora_path: str | Path, lora_name: str = "lora_1") -> Any:
         """Register a PEFT adapter for the whole pool under ``lora_name`` (genlm's
         ``add_new_lora``): its files are uploaded to Redis once, and every worker loads it on
         first use. Registering a name again replaces that adapter (its cached results stay
         apart: they are addressed by the adapter's content). Blocking without a running loop;
-        inside one, a task (requests naming the adapter wait for it)."""
+        inside one, a future (``_adapter_change``: requests naming the adapter wait for it)."""
         max_bytes = self._client.settings.max_lora_mb << 20
         files = adapter_files(lora_path, max_bytes)
         keys = self._client.keys
         adapter_id, commands = upload_commands(keys, self.model, lora_name, files)
-
-        async def upload() -> str:
-            await self._client.execute(commands)
-            self._adapters.put(lora_name, adapter_id)
-            return adapter_id
 
         def upload_now() -> str:
             self._client.execute_sync(commands)
             self._adapters.put(lora_name, adapter_id)
             return adapter_id
 
-        return self._adapter_change(lora_name, upload, upload_now)
+        return self._adapter_change(lora_name, upload_now)
 
     def remove_lora(self, lora_name: str) -> Any:
         """Unregister a run-time adapter for the whole pool; workers unload it. Requests that
@@ -155,40 +155,45 @@ class AdapterMethods:
                 raise UnknownAdapter(f"no run-time LoRA adapter {lora_name!r} to remove")
             return removal_commands(keys, self.model, lora_name, parse_adapter(raw))
 
-        async def remove() -> None:
-            (raw,) = await self._client.execute([("hget", (registry, lora_name))])
-            await self._client.execute(commands_for(raw))
-
         def remove_now() -> None:
             (raw,) = self._client.execute_sync([("hget", (registry, lora_name))])
             self._client.execute_sync(commands_for(raw))
 
-        return self._adapter_change(lora_name, remove, remove_now)
+        return self._adapter_change(lora_name, remove_now)
 
-    def _adapter_change(
-        self, name: str, change: Callable[[], Coroutine[Any, Any, T]], blocking: Callable[[], T]
-    ) -> Any:
-        """Run an adapter change; inside a loop as a task that later requests for ``name``
-        wait for (so a request never overtakes the upload it depends on)."""
-        previous = self._adapter_tasks.get(name)
+    def _adapter_change(self, name: str, change: Callable[[], T]) -> Any:
+        """Run an adapter change: at once without a running loop; inside one, in this
+        object's adapter thread (one change after the other), its future returned, which later
+        requests for ``name`` wait for, blocking ones too (``_adapter_sync``: the change does
+        not need the loop they block), so that a request never overtakes the upload it
+        depends on."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return change()
+        future = self._adapter_thread().submit(change)
+        self._adapter_changes[name] = future
+        wrapped = asyncio.wrap_future(future, loop=loop)
 
-        async def after_previous() -> T:
-            if previous is not None and not previous.done():
-                await asyncio.gather(previous, return_exceptions=True)
-            return await change()
+        def done(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("changing LoRA adapter %r failed: %r", name, f.exception())
 
-        outcome = run_or_schedule(after_previous, blocking)
-        if isinstance(outcome, asyncio.Task):
-            self._adapter_tasks[name] = outcome
-        return outcome
+        wrapped.add_done_callback(done)
+        return wrapped
+
+    def _adapter_thread(self) -> ThreadPoolExecutor:
+        if self._adapter_pool is None:
+            self._adapter_pool = ThreadPoolExecutor(1, thread_name_prefix="lmpool-adapters")
+        return self._adapter_pool
 
     async def _adapter(self, name: str) -> str:
         """The wire id of adapter ``name`` (waiting for a change of it in progress)."""
-        task = self._adapter_tasks.get(name)
-        if task is not None:
-            if not task.done():
-                await asyncio.gather(task, return_exceptions=True)
-            self._adapter_tasks.pop(name, None)
+        change = self._adapter_changes.get(name)
+        if change is not None:
+            await asyncio.gather(asyncio.wrap_future(change), return_exceptions=True)
+            if self._adapter_changes.get(name) is change:
+                del self._adapter_changes[name]
         known = self._adapters.get(name)
         if known is not None:
             return known
@@ -199,6 +204,10 @@ class AdapterMethods:
     def _adapter_sync(self, name: str | None) -> str | None:
         if name is None:
             return None
+        change = self._adapter_changes.get(name)
+        if change is not None:
+            with contextlib.suppress(Exception):  # its failure is its caller's to see
+                change.result()
         known = self._adapters.get(name)
         if known is not None:
             return known

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -95,12 +96,22 @@ class PoolClient:
     def _sync_state(self) -> SyncState:
         if self._closed:
             raise LMPoolError("this RemoteLM is closed")
-        state: SyncState | None = getattr(self._threads, "state", None)
-        if state is None:
-            state = self._threads.state = SyncState(self.target)
+        hold: _Held | None = getattr(self._threads, "hold", None)
+        if hold is None:
+            hold = self._threads.hold = _Held(SyncState(self.target))
             with self._lock:
-                self._sync_states.append(state)
-        return state
+                self._sync_states.append(hold.state)
+            # the thread's own storage goes when the thread ends (an executor's, at the end of
+            # the asyncio.run that made it), and its client with it: not kept open until close
+            weakref.finalize(hold, self._forget_sync, hold.state)
+        return hold.state
+
+    def _forget_sync(self, state: SyncState) -> None:
+        with self._lock:
+            if state not in self._sync_states:
+                return  # closed by close()
+            self._sync_states.remove(state)
+        _close_soon([state])
 
     async def request(self, prepared: Prepared, timeout_s: float) -> bytes | bytearray:
         """Encoded result of ``prepared``, submitting it unless already in flight here."""
@@ -184,6 +195,8 @@ class PoolClient:
         with self._lock:
             states, self._loops = list(self._loops.values()), {}
             syncs, self._sync_states = self._sync_states, []
+        # first, in a thread that runs to its end even if an ending loop cancels this close
+        await asyncio.to_thread(_close_all, syncs)
         for state in states:  # the tenant's quota gets back what this producer's calls held
             if state.loop is current and state.dead is None:
                 with contextlib.suppress(Exception):  # else they end at their expiry
@@ -197,8 +210,6 @@ class PoolClient:
                 await asyncio.wait([asyncio.wrap_future(fut)], timeout=10)
             else:
                 _end_when_it_runs(state, reason)
-        for sync in syncs:
-            await asyncio.to_thread(sync.close)
 
     def close_sync(self) -> None:
         """Close from code without a running loop (or schedule it in the running one)."""
@@ -208,6 +219,9 @@ class PoolClient:
             loop = None
         if loop is not None:
             self._closed = True
+            with self._lock:  # the blocking clients belong to no loop: closed now (a task
+                syncs, self._sync_states = self._sync_states, []  # may never start)
+            _close_soon(syncs)
             task = loop.create_task(self.close())
             KEEP.add(task)
             task.add_done_callback(KEEP.discard)
@@ -224,8 +238,20 @@ class PoolClient:
                     fut.result(10)
             else:
                 _end_when_it_runs(state, reason)
-        for sync in syncs:
+        _close_all(syncs)
+
+
+def _close_all(syncs: list[SyncState]) -> None:
+    for sync in syncs:
+        with contextlib.suppress(Exception):  # Redis may be gone: the sockets close all the same
             sync.close()
+
+
+def _close_soon(syncs: list[SyncState]) -> None:
+    """``_close_all`` in a thread of its own: each deletes its reply list first, a round trip
+    that the thread closing them (an event loop's, a collector's) must not wait for."""
+    if syncs:
+        threading.Thread(target=_close_all, args=(syncs,), name="lmpool-close", daemon=True).start()
 
 
 def _end_when_it_runs(state: LoopState, reason: str) -> None:
@@ -240,3 +266,12 @@ def _end_when_it_runs(state: LoopState, reason: str) -> None:
 
     with contextlib.suppress(RuntimeError):  # closed
         state.loop.call_soon_threadsafe(start)
+
+
+class _Held:
+    """A thread's blocking state, in that thread's storage (``PoolClient._threads``)."""
+
+    __slots__ = ("__weakref__", "state")
+
+    def __init__(self, state: SyncState) -> None:
+        self.state = state

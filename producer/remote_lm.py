@@ -14,9 +14,9 @@ when no event loop runs in it, and otherwise run as a task of the running loop (
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -85,7 +85,8 @@ class RemoteLM(AdapterMethods):
         """(ids, adapter, shard) of each prefix pinned by ``cache_kv``, on each shard it was."""
         """Prefixes this object pinned with ``cache_kv`` (ids, adapter) -> shard."""
         self._adapters = AdapterNames()
-        self._adapter_tasks: dict[str, asyncio.Task[Any]] = {}
+        self._adapter_changes: dict[str, Future[Any]] = {}
+        self._adapter_pool: ThreadPoolExecutor | None = None
 
     # -- construction -----------------------------------------------------------------------
     @classmethod

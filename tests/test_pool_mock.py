@@ -638,3 +638,77 @@ def test_backend_auto_selection() -> None:
     # no CUDA on this machine: auto is hf (vllm needs CUDA and vLLM)
     assert not torch.cuda.is_available()
     assert choose_backend(Settings()) == "hf"
+
+
+def test_the_blocking_clients_of_ended_loops_and_threads_are_closed(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """``cache_kv`` and ``release_all`` run in a loop's executor threads, each with a blocking
+    client: ten ``asyncio.run`` rounds left ten connections open until ``close()``, and so did
+    ten threads that made one blocking call each (an SMC script ran out of descriptors)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    port = urlparse(redis_url).port
+    lm = RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=10)
+
+    async def one_run(i: int) -> None:
+        await lm.cache_kv([1, 2, 3, i])
+        await lm.next_token_logprobs([1, 2, 3, i, 4])
+        await lm.release_all()
+
+    asyncio.run(one_run(0))
+    before = redis_connections(port)
+    for i in range(1, 11):
+        asyncio.run(one_run(i))
+    for i in range(10):
+        t = threading.Thread(target=lm.next_token_logprobs_sync, args=([5, i],))
+        t.start()
+        t.join()
+    deadline = time.monotonic() + 5
+    while redis_connections(port) > before + 1 and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert redis_connections(port) <= before + 1
+    lm.cleanup()
+
+
+def test_cleanup_as_a_loops_last_step_closes_every_connection(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """``with lm:`` ending an async main: the close it schedules is cancelled by the loop's
+    end, and the blocking client it had already taken off the object stayed open for good."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    port = urlparse(redis_url).port
+    before = redis_connections(port)
+
+    async def main() -> None:
+        with RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=10) as lm:
+            lm.next_token_logprobs_sync([1, 2])
+            await lm.next_token_logprobs([1, 2, 3])
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 5
+    while redis_connections(port) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert redis_connections(port) == before
+
+
+def test_a_blocking_request_right_after_add_new_lora_in_a_loop_waits_for_it(
+    redis_url: str, workers: Callable[..., Any], tmp_path: Any
+) -> None:
+    """In a notebook (a running loop) ``add_new_lora`` then a ``*_sync`` request naming the
+    adapter, as with genlm-backend: the request waits for the upload (UnknownAdapter before:
+    the upload was a task that could not run while the request blocked the loop)."""
+    from poolkit import build_adapter
+
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    adapter = build_adapter(tmp_path / "adapter")
+    lm = RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=10)
+
+    async def cell() -> Any:
+        added = lm.add_new_lora(str(adapter), "style")
+        row = lm.next_token_logprobs_sync([1, 2], lora_name="style")
+        assert (await added).startswith("style@")
+        return row
+
+    assert tuple(asyncio.run(cell()).shape) == (V,)
+    lm.cleanup()
