@@ -234,7 +234,7 @@ async def test_connect_to_a_redis_that_does_not_answer_says_so_naming_the_url(
     and blocking use."""
     from localpool.redis_server import free_port
 
-    port = urlparse(redis_url).port
+    port = cast(int, urlparse(redis_url).port)
     cases = [
         (f"redis://127.0.0.1:{free_port()}/0", "Error 111"),
         (f"redis://nobody:s3cret@127.0.0.1:{port}/0", "redis://nobody:***@127.0.0.1"),
@@ -647,7 +647,7 @@ def test_the_blocking_clients_of_ended_loops_and_threads_are_closed(
     client: ten ``asyncio.run`` rounds left ten connections open until ``close()``, and so did
     ten threads that made one blocking call each (an SMC script ran out of descriptors)."""
     workers(redis_url, backend="mock", mock_vocab_size=V)
-    port = urlparse(redis_url).port
+    port = cast(int, urlparse(redis_url).port)
     lm = RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=10)
 
     async def one_run(i: int) -> None:
@@ -677,7 +677,7 @@ def test_cleanup_as_a_loops_last_step_closes_every_connection(
     """``with lm:`` ending an async main: the close it schedules is cancelled by the loop's
     end, and the blocking client it had already taken off the object stayed open for good."""
     workers(redis_url, backend="mock", mock_vocab_size=V)
-    port = urlparse(redis_url).port
+    port = cast(int, urlparse(redis_url).port)
     before = redis_connections(port)
 
     async def main() -> None:
