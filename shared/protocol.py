@@ -27,6 +27,9 @@ MESSAGE_FIELD = b"m"
 """Stream entry field that holds the encoded request."""
 DIGEST_FIELD = b"d"
 """Stream entry field that holds the request's digest, readable without decoding ``m``."""
+CARRIED_FIELD = b"k"
+"""Stream entry field: deliveries of the entries it replaced (SUBMIT re-adds a request whose
+holder died; absent: none)."""
 MAX_INLINE_RESULT_BYTES = 4096
 """Results up to this size travel inside the reply; larger ones are read from the cache."""
 MAX_REPLY_BYTES = 1 << 20

@@ -65,17 +65,29 @@ local len = nil
 local t = redis.call('TIME')
 local due = t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(wttl)
 local function again(force)
-  -- whether a re-submission adds its message again (see force above)
-  if force == '0' then return false end
-  if force == '1' then return true end
-  if force == 'j' then return redis.call('EXISTS', KEYS[2]) == 0 end
+  -- whether a re-submission adds its message again (see force above), and the deliveries
+  -- the new entry carries (field 'k') and the entry it replaces: one whose holder died, with
+  -- its deliveries, acknowledged and deleted once the new one is added (taken over later, it
+  -- would run twice), so that a prompt that kills its workers reaches LMPOOL_MAX_DELIVERIES
+  -- however often it is submitted again
+  if force == '0' then return false, 0 end
+  if force == '1' then return true, 0 end
+  if force == 'j' then return redis.call('EXISTS', KEYS[2]) == 0, 0 end
   local held = redis.pcall('XPENDING', KEYS[2], group, force, force, 1)
   if type(held) ~= 'table' or held.err then
     -- no group yet (a new tenant's stream, which workers find within a moment; they read it
     -- from its start), or no stream any more (deleted with the entry)
-    return redis.call('EXISTS', KEYS[2]) == 0
+    return redis.call('EXISTS', KEYS[2]) == 0, 0
   end
-  return held[1] ~= nil and tonumber(held[1][3]) >= stale
+  if held[1] == nil or tonumber(held[1][3]) < stale then return false, 0 end
+  local carried = tonumber(held[1][4])
+  local old = redis.call('XRANGE', KEYS[2], force, force)
+  if old[1] then
+    for j = 1, #old[1][2], 2 do
+      if old[1][2][j] == 'k' then carried = carried + tonumber(old[1][2][j + 1]) end
+    end
+  end
+  return true, carried, force
 end
 for i = 10, #ARGV, 3 do
   local d = ARGV[i]
@@ -88,14 +100,24 @@ for i = 10, #ARGV, 3 do
     local first = redis.call('EXISTS', w) == 0  -- nothing queued it yet
     redis.call('SADD', w, reply)
     redis.call('ZADD', KEYS[3], 'GT', due, 'w:' .. d)
-    if first or again(ARGV[i + 1]) then
+    local add, carried, replaced = first, 0, nil
+    if not first then add, carried, replaced = again(ARGV[i + 1]) end
+    if add then
       if len == nil then len = redis.call('XLEN', KEYS[2]) end
       if len >= maxq then
         redis.call('SREM', w, reply)
         rejected = rejected + 1
         code = 2
       else
-        code = redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2], 'd', d)
+        if carried > 0 then
+          code = redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2], 'd', d, 'k', carried)
+        else
+          code = redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2], 'd', d)
+        end
+        if replaced then
+          redis.call('XACK', KEYS[2], group, replaced)
+          redis.call('XDEL', KEYS[2], replaced)
+        end
         len = len + 1
         queued = queued + 1
       end

@@ -602,6 +602,36 @@ async def test_stopped_and_killed_workers_leave_the_groups(
     assert left and all(name.endswith(survivor.worker_ids()[0]) for name in left), left
 
 
+@pytest.mark.asyncio
+async def test_a_prompt_that_kills_workers_is_dead_lettered_though_submitted_again(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Its producer submits it again once its holder looks dead, long before a take-over
+    counts a second delivery: each new copy started with no delivery, so every restarted
+    worker (a supervisor restarts them) read it and died, and its caller timed out. Now the
+    new copy carries the deliveries (and replaces the old one): LMPOOL_MAX_DELIVERIES workers
+    die at most, and the caller gets DeadLettered."""
+    common = {
+        "backend": "mock", "mock_vocab_size": V, "mock_crash_on": "13",
+        "claim_after_s": 5, "max_deliveries": 2, "heartbeat_s": 0.2,
+    }  # fmt: skip
+    settings = Settings(redis_url=redis_url, timeout_s=25, resend_s=0.5, heartbeat_s=0.2)
+    deaths = 0
+    w = workers(redis_url, **common)
+    async with await RemoteLM.connect(model=MODEL, settings=settings) as lm:
+        poison = asyncio.create_task(lm.next_token_logprobs([1, 13]))
+        while not poison.done() and deaths < 6:
+            if not w.alive():
+                deaths += 1
+                w = workers(redis_url, **common)
+            await asyncio.sleep(0.1)
+        (outcome,) = await asyncio.gather(poison, return_exceptions=True)
+        assert isinstance(outcome, DeadLettered), (deaths, outcome)
+        assert deaths <= 2
+        assert torch.equal(await lm.next_token_logprobs([1, 2]), reference([1, 2]))
+    await wait_until(lambda: pending_count(redis_url) == 0, 10, "nothing left pending")
+
+
 class Evictor(threading.Thread):
     """Deletes every result the moment it is first written (as Redis evicts under
     ``maxmemory``), from keyspace notifications."""

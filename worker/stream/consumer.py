@@ -237,6 +237,11 @@ class Consumer:
         await until_done(lambda: self.batcher.triage(self.redis, jobs), self._stopping.is_set)
 
     async def _take(self, entries: list[Entry], alone: bool = False) -> list[Job]:
+        most = self.settings.max_deliveries
+        doomed = [e for e in entries if e.carried >= most]  # its earlier copies killed workers
+        if doomed:
+            await self.dead_letter(doomed, {e.entry_id: e.carried for e in doomed})
+            entries = [e for e in entries if e.carried < most]
         now_ms = self.now_ms()
         for entry in entries:
             self.stats.tenant(entry.tenant)["wait_s"] += max(now_ms - entry.added_ms, 0) / 1000

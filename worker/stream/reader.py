@@ -81,6 +81,8 @@ class Entry:
     offline: bool
     tenant: str = ""
     """Whose request it is (from the stream's name); empty: no tenant."""
+    carried: int = 0
+    """Deliveries of the entries this one replaced (``protocol.CARRIED_FIELD``)."""
 
     @property
     def added_ms(self) -> int:
@@ -427,7 +429,9 @@ class Reader:
             digest = fields.get(protocol.DIGEST_FIELD)
             digest = _s(digest) if digest is not None else None
             raw = fields.get(protocol.MESSAGE_FIELD)
-            out.append(Entry(stream, _s(entry_id), raw, digest, *where))
+            carried = fields.get(protocol.CARRIED_FIELD, b"0")
+            carried = int(carried) if carried.isdigit() else 0
+            out.append(Entry(stream, _s(entry_id), raw, digest, *where, carried))
         return out
 
 
