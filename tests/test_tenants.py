@@ -263,6 +263,45 @@ async def test_saturating_tenants_share_the_batches_by_weight(
 
 # -- accounting -----------------------------------------------------------------------------
 @pytest.mark.asyncio
+async def test_the_status_queued_now_and_mean_wait_of_each_tenant_are_right(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Mid-run, a tenant's "queued now" is what waits in its streams (length less what
+    workers took), also for requests of no tenant (``-``, always 0 before; taken entries were
+    counted as queued); its mean wait in the stream is over the requests that waited it (it
+    was over fewer: a mean longer than the run)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=500, max_batch=2,
+            heartbeat_s=0.1)  # fmt: skip
+    a = await connect(redis_url, "alice")
+    none = await RemoteLM.connect(model=MODEL, settings=Settings(redis_url=redis_url))
+    r = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        started = time.monotonic()
+        asks = asyncio.gather(
+            *(a.next_token_logprobs([i, 3]) for i in range(12)),
+            *(none.next_token_logprobs([i, 4]) for i in range(12)),
+        )
+        await asyncio.sleep(1.7)
+        data = (await collect(r, Keys()))["models"][MODEL]
+        elapsed = time.monotonic() - started
+        await asks
+    finally:
+        await r.aclose()
+        for lm in (a, none):
+            await lm.close()
+    truth: dict[str, int] = {}
+    for label, stream in data["streams"].items():
+        tenant = label.split(":")[2] if label.count(":") == 2 else "-"
+        truth[tenant] = truth.get(tenant, 0) + stream["length"] - stream["pending"]
+    shown = {t: int(row.get("queued", 0)) for t, row in data["tenants"].items()}
+    assert truth["-"] > 0 and truth["alice"] > 0, truth  # mid-run: both wait
+    assert shown == truth
+    for tenant, row in data["tenants"].items():
+        if row.get("requests"):
+            assert row["wait_s"] / row["requests"] <= elapsed, (tenant, row, elapsed)
+
+
+@pytest.mark.asyncio
 async def test_per_tenant_counters_add_up_to_the_pools(
     redis_url: str, workers: Callable[..., Any]
 ) -> None:

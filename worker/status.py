@@ -24,6 +24,7 @@ from shared.redis_conn import AnyRedis, connect_redis, reaching
 from shared.settings import Settings
 from worker.quota import read_quotas
 from worker.quota import render as render_quotas
+from worker.stream.consumer import NO_TENANT
 from worker.stream.tenants import read_tenants
 
 
@@ -66,8 +67,9 @@ async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
             except Exception:
                 pending = 0
         name = keys.parse_stream(stream)
+        who = name.tenant or NO_TENANT  # waiting: in the stream, not yet taken by a worker
+        queued[who] = queued.get(who, 0) + max(int(length) - pending, 0)
         if name.tenant:
-            queued[name.tenant] = queued.get(name.tenant, 0) + length
             if not length and not pending:
                 continue  # a tenant's empty streams: shown in the tenants table
             label = f"{name.priority}:{name.shard}:{name.tenant}"

@@ -76,7 +76,9 @@ class Stats:
             # a job merges every entry that asked for its digest: each entry is one request
             # of its own tenant; the computation is counted once, for the first entry's
             for entry in job.entries:
-                self.tenant(entry.tenant)["requests"] += 1
+                counters = self.tenant(entry.tenant)
+                counters["requests"] += 1
+                counters["wait_s"] += entry.waited_s  # with its answer: wait_s / requests holds
             if job.entries:
                 first = self.tenant(job.tenant)
                 if job.outcome == "computed":
@@ -244,7 +246,7 @@ class Consumer:
             entries = [e for e in entries if e.carried < most]
         now_ms = self.now_ms()
         for entry in entries:
-            self.stats.tenant(entry.tenant)["wait_s"] += max(now_ms - entry.added_ms, 0) / 1000
+            entry.waited_s = max(now_ms - entry.added_ms, 0) / 1000
         jobs = self.batcher.jobs(entries, now_ms, force_triage=alone)
         await self._triage(jobs)
         runtime = {

@@ -81,8 +81,8 @@ class Entry:
     offline: bool
     tenant: str = ""
     """Whose request it is (from the stream's name); empty: no tenant."""
-    carried: int = 0
-    """Deliveries of the entries this one replaced (``protocol.CARRIED_FIELD``)."""
+    carried: int = 0  # deliveries of the entries this one replaced (protocol.CARRIED_FIELD)
+    waited_s: float = 0.0  # in its stream before this worker took it (counted when answered)
 
     @property
     def added_ms(self) -> int:
