@@ -124,6 +124,27 @@ async def test_status_and_metrics_on_a_live_pool(
     assert metrics[f"lmpool_queue_wait_seconds_count{{{labels}}}"] >= 20
 
 
+@pytest.mark.asyncio
+async def test_failed_requests_are_not_counted_as_computed(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """The heartbeat's ``computed`` (the status command's) agrees with the metrics and the
+    tenant counters: a request the model failed on is an error, not computed (it was both)."""
+    port = free_port()
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, metrics_port=port, mock_fail_on="99")
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        asks = [lm.next_token_logprobs([i, 1]) for i in range(6)]
+        asks += [lm.next_token_logprobs([99, i]) for i in range(3)]
+        await asyncio.gather(*asks, return_exceptions=True)
+    await w.wait_counter("requests", 9)
+    worker = json.loads(status(redis_url, "--json"))["models"][MODEL]["workers"][0]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    labels = f'backend="mock",model="{MODEL}"'
+    computed = f'lmpool_requests_total{{{labels},outcome="computed"}} 6.0'
+    assert worker["computed"] == 6 and computed in body
+    assert worker["tenants"]["-"]["computed"] == 6 and worker["errors"] == 3
+
+
 def test_a_workers_rate_is_over_the_last_minute_and_falls_to_zero_when_idle() -> None:
     """The rate in a worker's heartbeat (``requests_per_s``, the status command's req/s):
     requests of the last 60 s over 60 s, or over its time up when shorter (at least 1 s); a

@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
         if not args.clear and not (args.in_flight or args.tokens_per_s):
-            parser.error("give --in-flight and/or --tokens-per-s, or --clear")
+            parser.error(
+                "give a limit above 0 with --in-flight and/or --tokens-per-s (0 is no limit: "
+                "with neither above 0 there is no quota to set; --clear removes one)"
+            )
     asyncio.run(run(args))
     return 0
 

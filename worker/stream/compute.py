@@ -228,7 +228,7 @@ class Compute:
         finished = [w.tag for w in works if isinstance(w.tag, Job)]
         for job in finished:
             self.active.pop(job.key, None)
-        self.computed += len(finished)
+        self.computed += sum(w.error is None for w in works if isinstance(w.tag, Job))
         if finished:  # first: the writer's task then runs ahead of the reader woken below
             self.on_finished(finished)
         self.on_step(works, seconds)
