@@ -31,6 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import jinja2
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -44,6 +45,7 @@ from tqdm import tqdm
 
 from producer.harness_args import HarnessArgs, preflight
 from producer.remote_lm import RemoteLM
+from shared.tokenizer import tokenizer_from_json
 
 log = logging.getLogger("lmpool.harness")
 T = TypeVar("T")
@@ -75,8 +77,13 @@ class LMPoolLM(TemplateLM):
         self.lm = RemoteLM.from_name(
             self.args.model, settings=self.args.settings(), priority=self.args.priority
         )
-        self.tokenizer = self.lm.tokenizer
         meta = self.lm.meta
+        self.tokenizer = self.lm.tokenizer
+        if self.args.add_bos_token is not None:  # as hf's AutoTokenizer(add_bos_token=...)
+            self.tokenizer = tokenizer_from_json(
+                meta["tokenizer_json"], meta["tokenizer_config"],
+                add_bos_token=self.args.add_bos_token,
+            )  # fmt: skip
         # A window of max_length tokens plus its last target: the workers read up to
         # prompt_limit tokens of a score (its last token is never read), vLLM one less.
         default = self.lm.prompt_limit - (1 if meta.get("backend") == "vllm" else 0)
@@ -127,14 +134,23 @@ class LMPoolLM(TemplateLM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
-                chat_history,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=not add_generation_prompt,
+        """As ``HFLM``'s: a template that refuses the system role gets the history without it."""
+
+        def apply(history: list[dict[str, str]]) -> str:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    history,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
+                )
             )
-        )
+
+        try:
+            return apply(chat_history)
+        except jinja2.exceptions.TemplateError:
+            log.warning("the chat template failed: trying again without the system role")
+            return apply([m for m in chat_history if m["role"] != "system"])
 
     # -- tokens, as lm-eval's hf model makes them --------------------------------------------
     def tok_encode(
@@ -146,9 +162,8 @@ class LMPoolLM(TemplateLM):
     ) -> list[int]:
         """``HFLM.tok_encode``: the tokenizer's own special tokens unless told (or unless the
         string starts with the prefix token's text); left-truncated when asked."""
-        if add_special_tokens is None:
-            add_special_tokens = self.args.add_bos_token
-        options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        special = self.args.add_bos_token if add_special_tokens is None else add_special_tokens
+        options = {} if special is None else {"add_special_tokens": special}
         if add_special_tokens is None and has_bos_prefix(
             string, self.tokenizer.decode(self.prefix_token_id)
         ):

@@ -19,9 +19,10 @@ from shared.settings import Settings
 DEFAULT_CONCURRENCY = 256
 PREFLIGHT_TIMEOUT_S = 1.0
 """Redis connect and read timeout of the check before connecting."""
-PASSED_BY_LM_EVAL = ("batch_size", "max_batch_size", "device")
+PASSED_BY_LM_EVAL = ("batch_size", "max_batch_size", "device", "trust_remote_code")
 """What lm-eval hands every model besides ``model_args``: accepted, not used (the workers batch,
-and the model runs on their devices)."""
+the model runs on their devices, and code of the model's own is theirs to trust;
+``--trust_remote_code`` also reaches the model this way)."""
 
 
 @dataclass(frozen=True)

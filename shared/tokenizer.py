@@ -31,8 +31,11 @@ def tokenizer_config(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return config
 
 
-def tokenizer_from_json(tokenizer_json: str, config: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """Rebuild the worker's tokenizer from what it published.
+def tokenizer_from_json(
+    tokenizer_json: str, config: dict[str, Any], **options: Any
+) -> PreTrainedTokenizerFast:
+    """Rebuild the worker's tokenizer from what it published (``options``: more keyword
+    arguments of ``PreTrainedTokenizerFast``, such as ``add_bos_token``).
 
     The JSON is parsed once, from a temporary file: ``tokenizer_object=`` would parse it, then
     deep-copy the result (serialize and parse again), twice the cost (SmolLM2's 49,152 tokens
@@ -47,6 +50,7 @@ def tokenizer_from_json(tokenizer_json: str, config: dict[str, Any]) -> PreTrain
             tokenizer_file=path,
             model_max_length=config.get("model_max_length", 1 << 31),
             **kwargs,
+            **options,
         )
     tok.name_or_path = config.get("name_or_path", "")
     if "chat_template" in config:
