@@ -632,6 +632,38 @@ async def test_a_prompt_that_kills_workers_is_dead_lettered_though_submitted_aga
     await wait_until(lambda: pending_count(redis_url) == 0, 10, "nothing left pending")
 
 
+@pytest.mark.asyncio
+async def test_a_taken_over_entry_counts_the_deliveries_it_carries(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """An entry that replaced a dead copy (it carries 1 delivery) and was then read by a
+    worker that died (1 more): the worker that takes it over dead-letters it, at
+    LMPOOL_MAX_DELIVERIES=2, instead of running it (and dying: its own count alone was 1)."""
+    common = {
+        "backend": "mock", "mock_vocab_size": V, "mock_crash_on": "13",
+        "claim_after_s": 0.3, "max_deliveries": 2, "heartbeat_s": 0.2,
+    }  # fmt: skip
+    first = workers(redis_url, backend="mock", mock_vocab_size=V)
+    async with await RemoteLM.connect(redis_url, model=MODEL) as lm:
+        prepared = lm._prepare("logprobs", [1, 13], None, {})
+    first.stop()
+    r = redis.Redis.from_url(redis_url)
+    stream = KEYS.stream(MODEL, "high", prepared.shard)
+    deadline_ms = int(time.time() * 1000) + 60_000
+    fields = {"m": prepared.message(deadline_ms), "d": prepared.digest, "k": 1}
+    r.xadd(stream, fields)  # type: ignore[arg-type]
+    r.xreadgroup(GROUP, "a-dead-worker", {stream: ">"}, count=1)  # its one delivery
+    taker = workers(redis_url, **common)
+    await wait_until(lambda: cast(int, r.xlen(KEYS.dead(MODEL))) > 0, 20, "the entry dead-lettered")
+    await asyncio.sleep(0.5)
+    dead = cast("list[tuple[bytes, dict[bytes, bytes]]]", r.xrange(KEYS.dead(MODEL)))
+    r.close()
+    # once (the scripts were not loaded yet: a re-run of the write after NOSCRIPT wrote it twice)
+    assert len(dead) == 1 and b"delivered 2 times" in dead[0][1][b"reason"]
+    assert taker.alive()
+    await wait_until(lambda: pending_count(redis_url) == 0, 10, "nothing left pending")
+
+
 class Evictor(threading.Thread):
     """Deletes every result the moment it is first written (as Redis evicts under
     ``maxmemory``), from keyspace notifications."""

@@ -60,7 +60,8 @@ async def reclaim_once(consumer: Consumer) -> int:
             if p["times_delivered"] >= s.max_deliveries
         }
         if retry:
-            new = consumer.add_reclaimable(stream, retry)
+            delivered = {_s(p["message_id"]): int(p["times_delivered"]) for p in pending}
+            new = consumer.add_reclaimable(stream, retry, delivered)
             if new:
                 owners = sorted({_s(p["consumer"]) for p in pending if _s(p["message_id"]) in new})
                 log.warning(

@@ -135,6 +135,7 @@ class Writer:
         due = int(self.now_ms()) + min(ttl_ms, UNREAD_KEEP_MS)  # on the Redis clock
         replies = [self._reply(job) for job in jobs]
         groups = finish_groups(jobs)
+        dead = any(job.dead is not None for job in jobs)
         finishes: list[tuple[int, list[int]]] = []
         """(shard, indices of its jobs) of each FINISH call, in pipeline order."""
 
@@ -159,12 +160,13 @@ class Writer:
                         by_shard[job.shard].append(i)
                 for shard, members in by_shard.items():
                     answers = [(jobs[i].digest, replies[i]) for i in members]
-                    FINISH_SCRIPT.queue(
-                        pipe,
-                        *finish_call(
-                            self.keys, self.model, shard, not self.cluster, ttl_ms, answers
-                        ),
+                    call = finish_call(
+                        self.keys, self.model, shard, not self.cluster, ttl_ms, answers
                     )
+                    if dead:  # by source: no NOSCRIPT, whose re-run would add the letters twice
+                        pipe.execute_command(*FINISH_SCRIPT.eval_command(*call))
+                    else:
+                        FINISH_SCRIPT.queue(pipe, *call)
                     finishes.append((shard, members))
             for job in jobs:
                 if job.dead is not None:
