@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -533,3 +533,36 @@ async def test_pool_end_to_end(model_dir: Path, reference: Reference, tmp_path: 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_prompts_prefilled_over_several_steps_get_their_final_rows(
+    model_dir: Path, reference: Reference
+) -> None:
+    """A per-step token budget of 32 (``LMPOOL_ENGINE_OPTIONS``): every longer prompt is
+    prefilled in pieces, a row written at each piece's step. The row fetched ahead could be an
+    early piece's (9 of 10 rows wrong, each the row of a position inside its prompt)."""
+    from worker.backends import load_backend
+
+    backend = load_backend(
+        Settings(
+            model=str(model_dir), backend="vllm", kv_cache_mb=256, dtype="float32",
+            gpu_memory_utilization=GPU_SHARE,
+            engine_options='{"max_num_batched_tokens": 32, "max_num_seqs": 4}',
+        )
+    )  # fmt: skip
+    try:
+        rng = random.Random(2)
+        prompts = [
+            [rng.randrange(3, VOCAB) for _ in range(rng.randint(20, 120))] for _ in range(10)
+        ]
+        works = [Work("logprobs", p) for p in prompts]
+        backend.submit(works)
+        waiting = {id(w) for w in works}
+        while waiting:
+            for w in backend.step():
+                waiting.discard(id(w))
+        assert all(w.error is None for w in works)
+        got = torch.stack([cast(torch.Tensor, w.result).float() for w in works])
+        assert max_diff(got, reference.logprobs(prompts)) < TOL
+    finally:
+        backend.close()

@@ -98,6 +98,8 @@ class VLLMBackend(Backend):
             for name, p in adapters.items()
         }
         model_cfg = self.engine.model_config
+        scheduler = getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None)
+        self.rows.chunked = getattr(scheduler, "enable_chunked_prefill", True) is not False
         self.dtype: torch.dtype = model_cfg.dtype
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         eos_ids = eos_token_ids(path, AutoConfig.from_pretrained(path), self.tokenizer)

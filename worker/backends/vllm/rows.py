@@ -38,6 +38,9 @@ class RowFetcher:
         """Time the compute thread spent fetching or waiting for captured rows."""
         self.transfers = 0
         self.transferred_rows = 0
+        self.chunked = True
+        """The engine may prefill a prompt over several steps (vLLM's chunked prefill, on
+        unless its options turn it off): rows fetched ahead are checked against the store."""
 
     def prefetch(self, engine: Any, wanted: bool) -> None:
         """Ask, without waiting, for every row captured so far (``wanted``: ``logprobs`` works
@@ -132,6 +135,12 @@ class RowFetcher:
         fetched ahead for requests neither in ``tags`` nor ``running`` (which ended otherwise)
         are dropped."""
         rows = self.ahead
+        if self.chunked:
+            # A prompt prefilled over several steps has a row written at each; one fetched
+            # ahead may be an early one. What the in-flight prefetch took comes in first; then
+            # what the store still holds of these requests is newer than any of it.
+            self.collect(wait=True)
+            rows.update(self.fetch(engine, list(tags)))
         self.collect(wait=False)
         if any(tag not in rows for tag in tags):
             self.collect(wait=True)
