@@ -566,3 +566,14 @@ def test_prompts_prefilled_over_several_steps_get_their_final_rows(
         assert max_diff(got, reference.logprobs(prompts)) < TOL
     finally:
         backend.close()
+
+
+def test_a_generation_must_fit_the_context_whole(backend: Any) -> None:
+    """vLLM holds a prompt and what it generates in the model's context: one that would not
+    fit stopped a token short without a word (56 of 57 asked); it is refused, naming both."""
+    limit = backend.info["max_length"]
+    rng = random.Random(5)
+    ids = [rng.randrange(3, VOCAB) for _ in range(limit - 8)]
+    assert len(backend.sample(ids, 8, [], 0.0, None, None)) == 8
+    with pytest.raises(InvalidRequest, match="exceed the model's context"):
+        backend.sample(ids, 9, [], 0.0, None, None)

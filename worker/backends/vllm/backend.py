@@ -229,6 +229,12 @@ class VLLMBackend(Backend):
             raise InvalidRequest("empty prompt: at least one token id is needed")
         ids = prompt_ids(work)
         check_ids(ids, self.info["vocab_size"])
+        steps = int(work.params["max_tokens"]) if work.kind == "sample" else 1
+        if len(ids) + steps > self.info["max_length"]:  # vLLM would stop short, or refuse
+            raise InvalidRequest(
+                f"{len(ids)} prompt tokens and {steps} to generate exceed the model's context "
+                f"of {self.info['max_length']} tokens (vLLM holds both in it)"
+            )
         lora_request = self._lora_request(work.lora)
         rid = f"{self._prefix}{next(self._ids)}"
         params = sampling_params(work, rid, self._capture.CAPTURE_KEY, self.prefix_caching)
