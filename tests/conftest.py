@@ -101,3 +101,21 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from poolkit import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def offline_env() -> Iterator[None]:
+    """The model hubs and datasets offline (``poolkit.OFFLINE``) for a module (lm-eval's
+    tests), as they were after it."""
+    import os
+
+    from poolkit import OFFLINE
+
+    saved = {k: os.environ.get(k) for k in OFFLINE}
+    os.environ.update(OFFLINE)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

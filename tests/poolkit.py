@@ -232,3 +232,7 @@ async def producer_in_flight(
 def kill(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+"""Environment of a process that must not reach a model hub (lm-eval's tests)."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from poolkit import VOCAB, WorkerProcess, build_model
+from poolkit import OFFLINE, VOCAB, WorkerProcess, build_model
 
 from localpool.lm_tasks import GEN, MC, PPL, write_tasks
 from localpool.redis_server import RedisServer, free_port
@@ -38,7 +38,6 @@ pytestmark = pytest.mark.timeout(300)
 TOL = 1e-4
 WORDS = range(3, VOCAB)
 """Token ids of plain words (w0... are ids 3...): no special tokens in the data."""
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def text(ids: list[int]) -> str:
@@ -79,18 +78,6 @@ def make_docs(model_dir: Path, seed: int = 0) -> dict[str, Any]:
     first = [int(word[1:]) + 3 for word in gen[0]["question"].split()]
     stop = text(greedy(model, first, 3)[2:])
     return {"mc": mc, "ppl": ppl, "gen": gen, "until": [stop]}
-
-
-@pytest.fixture(scope="module")
-def offline_env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in OFFLINE}
-    os.environ.update(OFFLINE)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from poolkit import VOCAB, WorkerProcess, build_model
+from poolkit import OFFLINE, VOCAB, WorkerProcess, build_model
 
 from localpool.lm_tasks import MC, write_tasks
 from localpool.redis_server import RedisServer
@@ -29,7 +29,6 @@ from localpool.redis_server import RedisServer
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 GEMMA_LIKE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}"
@@ -61,19 +60,7 @@ def build_bos_model(plain: Path, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in OFFLINE}
-    os.environ.update(OFFLINE)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, env: None) -> dict[str, Path]:
+def models(tmp_path_factory: pytest.TempPathFactory, offline_env: None) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lm-eval-parity")
     plain = build_model(root / "plain")
     return {"root": root, "tiny": plain, "tinybos": build_bos_model(plain, root / "bos")}
