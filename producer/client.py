@@ -103,15 +103,9 @@ class PoolClient:
                 self._sync_states.append(hold.state)
             # the thread's own storage goes when the thread ends (an executor's, at the end of
             # the asyncio.run that made it), and its client with it: not kept open until close
-            weakref.finalize(hold, self._forget_sync, hold.state)
+            # (this object by a weak reference: a thread's storage does not keep it alive)
+            weakref.finalize(hold, _forget_sync, weakref.ref(self), hold.state)
         return hold.state
-
-    def _forget_sync(self, state: SyncState) -> None:
-        with self._lock:
-            if state not in self._sync_states:
-                return  # closed by close()
-            self._sync_states.remove(state)
-        _close_soon([state])
 
     async def request(self, prepared: Prepared, timeout_s: float) -> bytes | bytearray:
         """Encoded result of ``prepared``, submitting it unless already in flight here."""
@@ -239,6 +233,17 @@ class PoolClient:
             else:
                 _end_when_it_runs(state, reason)
         _close_all(syncs)
+
+
+def _forget_sync(client: weakref.ref[PoolClient], state: SyncState) -> None:
+    """A thread's blocking state, its thread ended: off its client's list, and closed."""
+    owner = client()
+    if owner is not None:
+        with owner._lock:
+            if state not in owner._sync_states:
+                return  # closed by close()
+            owner._sync_states.remove(state)
+    _close_soon([state])
 
 
 def _close_all(syncs: list[SyncState]) -> None:
