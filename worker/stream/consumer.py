@@ -140,9 +140,8 @@ class Consumer:
         )
         self.compute.wake_reader = self.reader.room.set
         self.adapters = AdapterLoader(redis, backend, settings, self.compute.call)
-        self._reclaimable: list[tuple[str, str]] = []
-        self._delivered: dict[str, int] = {}
-        """Deliveries of each reclaimable entry when it was queued (``add_reclaimable``)."""
+        self._reclaimable: list[tuple[str, str, int]] = []
+        """(stream, entry id, deliveries when queued) of each entry to take over."""
         self._stopping = asyncio.Event()
         self._reader_done = asyncio.Event()
 
@@ -191,10 +190,9 @@ class Consumer:
     ) -> list[str]:
         """Queue entries of a dead consumer, to be claimed and run one at a time (``delivered``:
         how often each was delivered so far); returns the ids not queued before."""
-        queued = set(self._reclaimable)
+        queued = {(s, i) for s, i, _ in self._reclaimable}
         new = [i for i in entry_ids if (stream, i) not in queued]
-        self._reclaimable.extend((stream, i) for i in new)
-        self._delivered.update({i: (delivered or {}).get(i, 0) for i in new})
+        self._reclaimable.extend((stream, i, (delivered or {}).get(i, 0)) for i in new)
         self.compute.have.set()
         return new
 
@@ -272,8 +270,7 @@ class Consumer:
     async def _run_reclaimed(self) -> bool:
         """Claim one reclaimable entry and run it alone; False when there is none."""
         while self._reclaimable:
-            stream, entry_id = self._reclaimable.pop(0)
-            delivered = self._delivered.pop(entry_id, 0)
+            stream, entry_id, delivered = self._reclaimable.pop(0)
             claimed = await self._claim(stream, entry_id)
             for entry in claimed:  # its deliveries, its earlier copies' too: at the limit, _take
                 entry.carried += delivered  # dead-letters it instead of running it
