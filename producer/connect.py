@@ -37,7 +37,6 @@ def resolve_settings(
     tenant: str | None = None,
     quota_wait: bool | None = None,
 ) -> tuple[Settings, str]:
-    settings = settings or Settings.from_env()
     changes = {
         "redis_url": redis_url,
         "timeout_s": timeout_s,
@@ -45,7 +44,19 @@ def resolve_settings(
         "tenant": tenant,
         "quota_wait": quota_wait,
     }
-    settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    passed: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
+    try:  # the arguments replace the environment's values before those are checked
+        settings = settings.replace(**passed) if settings else Settings.from_env(**passed)
+    except SettingsError as e:
+        # the check names the variable; the value that failed was the argument
+        for name, value in passed.items():
+            var = f"LMPOOL_{name.upper()}"
+            if var in str(e):
+                shown = masked_url(value) if isinstance(value, str) else repr(value)
+                raise SettingsError(
+                    str(e).replace(var, f"{name} (the argument given: {shown})", 1)
+                ) from None
+        raise
     return settings, model or settings.served_model_name
 
 

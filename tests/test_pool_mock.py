@@ -18,7 +18,14 @@ import torch
 from poolkit import mock_row, redis_connections
 
 from producer import RemoteLM
-from shared.errors import InvalidRequest, LMPoolError, NoWorker, PoolUnreachable, RequestTimeout
+from shared.errors import (
+    InvalidRequest,
+    LMPoolError,
+    NoWorker,
+    PoolUnreachable,
+    RequestTimeout,
+    SettingsError,
+)
 from shared.keys import Keys
 from shared.redis_conn import connect_redis_sync
 from worker.stream.batcher import Job
@@ -712,3 +719,29 @@ def test_a_blocking_request_right_after_add_new_lora_in_a_loop_waits_for_it(
 
     assert tuple(asyncio.run(cell()).shape) == (V,)
     lm.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_a_wrong_argument_is_named_as_the_argument_not_the_variable(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL passed to ``connect`` that is no Redis URL is named as the argument it was (with
+    its password masked), not as ``LMPOOL_REDIS_URL``, which may be unset or right; and a
+    valid argument wins over a wrong ``LMPOOL_REDIS_URL``."""
+    for blocking in (False, True):
+        with pytest.raises(SettingsError) as caught:
+            if blocking:
+                RemoteLM.from_name(MODEL, redis_url="http://u:s3cret@127.0.0.1:6379/0")
+            else:
+                await RemoteLM.connect("http://u:s3cret@127.0.0.1:6379/0", model=MODEL)
+        message = str(caught.value)
+        assert message.startswith("redis_url (the argument given: http://u:***@127.0.0.1"), message
+        assert "must start with redis://" in message and "s3cret" not in message, message
+        with pytest.raises(SettingsError, match=r"^timeout_s \(the argument given: -1\.0\)"):
+            if blocking:
+                RemoteLM.from_name(MODEL, redis_url=redis_url, timeout_s=-1.0)
+            else:
+                await RemoteLM.connect(redis_url, model=MODEL, timeout_s=-1.0)
+    monkeypatch.setenv("LMPOOL_REDIS_URL", "http://wrong")
+    with pytest.raises(NoWorker):  # the argument's Redis was reached: no worker of MODEL there
+        await RemoteLM.connect(redis_url, model=MODEL, connect_timeout_s=0.2)
