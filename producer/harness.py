@@ -85,8 +85,8 @@ class LMPoolLM(TemplateLM):
                 add_bos_token=self.args.add_bos_token,
             )  # fmt: skip
         # A window of max_length tokens plus its last target: the workers read up to
-        # prompt_limit tokens of a score (its last token is never read), vLLM one less.
-        default = self.lm.prompt_limit - (1 if meta.get("backend") == "vllm" else 0)
+        # prompt_limit tokens of a score (its last token is never read).
+        default = self.lm.prompt_limit
         self._max_length = self.args.max_length or default
         if self._max_length > default:
             raise ValueError(

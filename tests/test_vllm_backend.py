@@ -577,3 +577,33 @@ def test_a_generation_must_fit_the_context_whole(backend: Any) -> None:
     assert len(backend.sample(ids, 8, [], 0.0, None, None)) == 8
     with pytest.raises(InvalidRequest, match="exceed the model's context"):
         backend.sample(ids, 9, [], 0.0, None, None)
+
+
+def test_rows_and_scores_use_the_context_the_workers_publish(
+    backend: Any, reference: Reference
+) -> None:
+    """vLLM holds a prompt and a token to generate in the model's context, so a row comes after
+    ``max_length - 1`` tokens at most: the published limit says so (a prompt of ``max_length``
+    tokens passed the producer's check, then vLLM refused it). A score reads as many tokens as
+    a row of the same length: one whose read fills the limit is answered (its last token from
+    the captured row), as the reference, greedy flags included; a token more is refused."""
+    limit = backend.prompt_limit(0)
+    assert limit == backend.info["max_length"] - 1 and backend.prompt_limit(10) == 10
+    rng = random.Random(8)
+    ids = [rng.randrange(3, VOCAB) for _ in range(limit + 1)]
+    assert max_diff(backend.logprobs([ids[:limit]], None), reference.logprobs([ids[:limit]])) < TOL
+    prompt, cont = ids[:7], ids[7:]  # reads len(ids) - 1 == limit tokens
+    assert max_diff(backend.score(prompt, cont, None), reference.score(prompt, cont)) < TOL
+    greedy = backend.score(prompt, cont, None, greedy=True)
+    full = reference.all_logprobs(ids)[len(prompt) - 1 : -1]
+    assert torch.equal(greedy[:, 1], (full.argmax(dim=1) == torch.tensor(cont)).float())
+    cont[-1] = int(full[-1].argmax())  # the last token greedy too, read from its row
+    assert backend.score(prompt, cont, None, greedy=True)[-1, 1] == 1.0
+    assert backend.score(prompt, cont[-1:], None).shape == (1,)  # no prompt log-probs asked
+    backend.check_prompt(limit, None, 0)
+    with pytest.raises(InvalidRequest, match=f"exceeds the limit of {limit}"):
+        backend.check_prompt(limit + 1, None, 0)
+    with pytest.raises(InvalidRequest):
+        backend.logprobs([ids], None)
+    with pytest.raises(InvalidRequest):
+        backend.score(prompt, [*cont, 5], None)

@@ -48,6 +48,7 @@ from worker.backends.vllm.works import (
     output_result,
     prompt_ids,
     sampling_params,
+    score_result,
 )
 
 log = logging.getLogger("lmpool.worker")
@@ -142,6 +143,12 @@ class VLLMBackend(Backend):
                 )
         self.rows_computed = self.tokens_computed = 0
         self.transfer_s, self.transfers, self.transferred_rows = 0.0, 0, 0
+
+    def prompt_limit(self, max_prompt_tokens: int) -> int:
+        """vLLM holds a prompt and at least one token to generate in the model's context: a
+        row after ``max_length - 1`` tokens at most (a score reads as many, see ``works``)."""
+        own = self.info["max_length"] - 1
+        return min(max_prompt_tokens or own, own)
 
     def engine_processes(self) -> list[Any]:
         """vLLM's engine core processes; empty when the engine core runs in this process."""
@@ -275,10 +282,10 @@ class VLLMBackend(Backend):
             except Exception as e:
                 work.error = e
             else:
-                if result is None:  # a logprobs work: its row was captured
+                work.result = result
+                if work.kind in ("logprobs", "score"):  # a row was captured too
                     captured.append((out.request_id, work))
                     continue
-                work.result = result
             done.append(work)
         if captured:
             rows = self.rows.take(self.engine, [rid for rid, _ in captured], self._inflight)
@@ -286,6 +293,9 @@ class VLLMBackend(Backend):
                 row = rows.get(rid)
                 if row is None:
                     work.error = RuntimeError("vLLM ran the request but no logits were captured")
+                elif work.kind == "score":
+                    assert work.result is not None
+                    work.result = score_result(work, work.result, row)
                 else:
                     work.result = row.to(self.dtype)
                 done.append(work)
@@ -294,7 +304,7 @@ class VLLMBackend(Backend):
     def _prefetch_rows(self) -> None:
         """Ask for the rows captured so far while ``logprobs`` works are in the engine
         (:meth:`RowFetcher.prefetch`)."""
-        wanted = any(w.kind == "logprobs" for w in self._inflight.values())
+        wanted = any(w.kind in ("logprobs", "score") for w in self._inflight.values())
         self.rows.prefetch(self.engine, wanted)
 
     # -- one call at a time (tests, tools) ----------------------------------------------------

@@ -1,10 +1,11 @@
 """Captured log-prob rows, fetched from the process where vLLM runs the model.
 
-The capture logits processor (:mod:`.capture`) writes each ``logprobs`` request's full
-``log_softmax`` row there; the rows come back through ``collective_rpc`` (vLLM's utility
-channel, served by the engine core between steps). While ``logprobs`` works are in the engine,
-one "every row so far" call is kept in flight, so that it is served right after the running
-step and its rows arrive with that step's outputs; a row still missing then is fetched by tag.
+The capture logits processor (:mod:`.capture`) writes each ``logprobs`` and ``score``
+request's full ``log_softmax`` row there; the rows come back through ``collective_rpc``
+(vLLM's utility channel, served by the engine core between steps). While such works are in
+the engine, one "every row so far" call is kept in flight, so that it is served right after
+the running step and its rows arrive with that step's outputs; a row still missing then is
+fetched by tag.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from worker.backends.vllm.engine import EngineWatch
 
 
 class RowFetcher:
-    """Rows of finished ``logprobs`` requests, by tag (the request id); ``capture`` is the
-    capture module, ``watch`` says whether the engine still lives. Used from the compute thread
-    only."""
+    """Rows of finished ``logprobs`` and ``score`` requests, by tag (the request id);
+    ``capture`` is the capture module, ``watch`` says whether the engine still lives. Used from
+    the compute thread only."""
 
     def __init__(self, capture: Any, watch: EngineWatch) -> None:
         self._capture = capture
@@ -43,13 +44,13 @@ class RowFetcher:
         unless its options turn it off): rows fetched ahead are checked against the store."""
 
     def prefetch(self, engine: Any, wanted: bool) -> None:
-        """Ask, without waiting, for every row captured so far (``wanted``: ``logprobs`` works
+        """Ask, without waiting, for every row captured so far (``wanted``: such works
         are in the engine).
 
         vLLM's engine core serves utility calls between engine steps, so a fetch made once a
         step's outputs are in waits for the step that is running by then. Sent while a step
         runs, this call is served right after it: the rows of that step arrive with its
-        outputs. One such call is in flight at a time, while ``logprobs`` works are. It uses
+        outputs. One such call is in flight at a time, while such works are. It uses
         the client's utility channel the way ``collective_rpc`` does, without blocking (vLLM's
         sync client has no public non-blocking form); where that is not there (the engine core
         in this process), rows are fetched when their works finish.

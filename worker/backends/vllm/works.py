@@ -5,11 +5,15 @@
   model, and :mod:`.rows` fetches it.
 - ``sample``: vLLM's sampler with a per-request seed (same seed, same tokens, alone or in a
   batch); only the caller's EOS ids stop it, and the EOS is not returned.
-- ``score``: ``prompt_logprobs=0`` (``log_softmax`` in float32 of the same logits at every
-  prompt position; such requests skip reading the prefix cache); several run in one step.
-  With ``greedy``, a token is the argmax of its position when vLLM ranks it 1 (vLLM's rank
-  counts the ids whose log-prob is >= the token's, so on an exact tie no token is greedy,
-  where ``torch.argmax`` picks the lowest id).
+- ``score``: the prompt and the continuation but its last token, ``prompt_logprobs=0``
+  (``log_softmax`` in float32 of the same logits at every prompt position; such requests skip
+  reading the prefix cache) and a capture tag: the last token's log-prob is read from the
+  captured row of the position before it, so that a score fits the context as a next-token
+  request of the same tokens read does (vLLM holds a prompt and at least one token to
+  generate); several run in one step. With ``greedy``, a token is the argmax of its position
+  when vLLM ranks it 1 (vLLM's rank counts the ids whose log-prob is >= the token's, so on an
+  exact tie no token is greedy, where ``torch.argmax`` picks the lowest id); the last token's
+  rank is counted the same way in its row.
 - ``cache_kv``: a prefill (``max_tokens=1``) that leaves the prompt's blocks in vLLM's prefix
   cache, evictable like any other; 1 when prefix caching is on.
 """
@@ -61,13 +65,15 @@ def sampling_params(work: Work, tag: str, capture_key: str, prefix_caching: bool
         if not list(work.params["cont"]):
             work.result = torch.zeros((0, 2) if work.params.get("greedy") else 0)
             return None
+        within = len(work.params["cont"]) > 1  # tokens read from prompt log-probs
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            prompt_logprobs=0,
-            skip_reading_prefix_cache=True,
+            prompt_logprobs=0 if within else None,
+            skip_reading_prefix_cache=within,
             detokenize=False,
             output_kind=final,
+            extra_args={capture_key: tag},
         )
     # cache_kv: vLLM cannot pin; a prefill leaves the blocks in its prefix cache
     if not work.params.get("pin", True) or not prefix_caching:
@@ -77,13 +83,16 @@ def sampling_params(work: Work, tag: str, capture_key: str, prefix_caching: bool
 
 
 def prompt_ids(work: Work) -> list[int]:
-    """The token ids vLLM runs for ``work`` (a score's continuation is part of its prompt)."""
-    return work.ids + list(work.params["cont"]) if work.kind == "score" else work.ids
+    """The token ids vLLM runs for ``work`` (a score's continuation but its last token is part
+    of its prompt)."""
+    return work.ids + list(work.params["cont"])[:-1] if work.kind == "score" else work.ids
 
 
 def output_result(work: Work, output: Any, prefix_caching: bool) -> torch.Tensor | None:
     """``work``'s result from vLLM's finished ``RequestOutput``; None for ``logprobs`` works,
-    whose rows are captured apart. Raises when vLLM ended the request otherwise."""
+    whose rows are captured apart; for ``score`` works, what the prompt's log-probs give (the
+    continuation but its last token: :func:`score_result` adds it from the captured row).
+    Raises when vLLM ended the request otherwise."""
     completion = output.outputs[0] if output.outputs else None
     if completion is not None and completion.finish_reason in ("abort", "error"):
         raise RuntimeError(f"vLLM ended the request: {completion.finish_reason}")
@@ -96,7 +105,7 @@ def output_result(work: Work, output: Any, prefix_caching: bool) -> torch.Tensor
             tokens.pop()  # genlm-backend's semantics: EOS not appended
         return torch.tensor(tokens, dtype=torch.int64)
     if work.kind == "score":
-        full = work.ids + list(work.params["cont"])
+        full = prompt_ids(work)
         positions = output.prompt_logprobs
         picked = [positions[i][full[i]] for i in range(len(work.ids), len(full))]
         values = torch.tensor([p.logprob for p in picked], dtype=torch.float32)
@@ -105,6 +114,17 @@ def output_result(work: Work, output: Any, prefix_caching: bool) -> torch.Tensor
         top = torch.tensor([float(p.rank == 1) for p in picked], dtype=torch.float32)
         return torch.stack([values, top], dim=1)
     return torch.tensor([int(prefix_caching)], dtype=torch.int64)
+
+
+def score_result(work: Work, within: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """A score's result: ``within`` (from :func:`output_result`) and its last token's log-prob
+    in ``row``, the captured float32 row of the position before it."""
+    last = int(work.params["cont"][-1])
+    value = row[last].float().reshape(1)
+    if not work.params.get("greedy"):
+        return torch.cat([within, value])
+    top = float(int((row >= row[last]).sum()) == 1)  # vLLM's rank 1
+    return torch.cat([within, torch.tensor([[float(value), top]], dtype=torch.float32)])
 
 
 def client_error(error: BaseException) -> bool:
