@@ -365,6 +365,26 @@ async def test_async_bad_request_fails_alone() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["sequential", "parallel"])
+async def test_async_wraps_genlm_backends_trie(backend: str) -> None:
+    """Like genlm-backend's wrapper, ours batches for any trie with ``batch_weight_sum`` /
+    ``batch_weight_max`` (genlm-backend's own, a subclass...), not only for lmpool's."""
+    vocab = genlm_tokens(TOY_BYTES)
+    inner = GenlmTrie(vocab) if backend == "sequential" else GenlmParallelTrie(vocab, device="cpu")
+    trie = AsyncTokenCharacterTrie(inner)
+    try:
+        total, best = await asyncio.gather(
+            trie.weight_sum(torch.tensor(TOY_WEIGHTS)), trie.weight_max(np.array(TOY_WEIGHTS))
+        )
+        with pytest.raises(ValueError, match=r"Expected 4 token weights .* got 2"):
+            await trie.weight_sum(np.array([0.5, 0.5]))
+    finally:
+        await trie.cleanup()
+    assert_close(total, inner.weight_sum(np.array(TOY_WEIGHTS)))
+    assert_close(best, inner.weight_max(np.array(TOY_WEIGHTS)))
+
+
+@pytest.mark.asyncio
 async def test_async_start_cleanup_shutdown() -> None:
     trie = AsyncTokenCharacterTrie.from_vocab(tokens(TOY_BYTES), backend="sequential")
     trie.start()

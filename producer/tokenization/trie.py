@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["TokenCharacterTrie", "is_leaf_edge"]
+__all__ = ["TokenCharacterTrie", "check_weight_count", "is_leaf_edge"]
 
 LeafEdge = tuple[None, int]
 """Edge from the node of a token's last byte to its leaf: ``(None, index in decode)``."""
@@ -210,10 +210,7 @@ class TokenCharacterTrie:
     # -- weights -----------------------------------------------------------------------------
 
     def _check_length(self, n: int) -> None:
-        if n != len(self.decode):
-            raise ValueError(
-                f"Expected {len(self.decode)} token weights (one per vocabulary entry), got {n}"
-            )
+        check_weight_count(len(self.decode), n)
 
     def _preprocess_ws(self, ws: Any) -> FloatArray:
         """One weight vector as a float64 numpy array on the CPU, its length checked."""
@@ -287,6 +284,16 @@ class TokenCharacterTrie:
             ValueError: ``ws`` does not have one weight per node.
         """
         return _render(self, ws)
+
+
+def check_weight_count(vocab_size: int, n: int) -> None:
+    """Raise unless ``n`` weights are one per entry of a ``vocab_size`` vocabulary.
+
+    Raises:
+        ValueError: ``n != vocab_size``.
+    """
+    if n != vocab_size:
+        raise ValueError(f"Expected {vocab_size} token weights (one per vocabulary entry), got {n}")
 
 
 def _tensor_to_numpy(ws: torch.Tensor) -> FloatArray:

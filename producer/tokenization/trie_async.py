@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from producer.tokenization.trie import TokenCharacterTrie
+from producer.tokenization.trie import TokenCharacterTrie, check_weight_count
 from producer.tokenization.trie_parallel import ParallelTokenCharacterTrie
 
 __all__ = ["AsyncTokenCharacterTrie"]
@@ -26,7 +26,8 @@ _Request = tuple[Any, "asyncio.Future[Any]", str]
 
 
 class AsyncTokenCharacterTrie:
-    """Batches concurrent weight requests to a :class:`TokenCharacterTrie` (``self.trie``).
+    """Batches concurrent weight requests to a :class:`TokenCharacterTrie` (``self.trie``), or
+    to any trie with ``batch_weight_sum`` / ``batch_weight_max`` (genlm-backend's, say).
 
     The background task starts on the first request (or :meth:`start`) and is bound to the
     running event loop; a request from another loop restarts it there. Stop it with
@@ -80,14 +81,17 @@ class AsyncTokenCharacterTrie:
         return await (await self._queue_request(ws, "max"))
 
     def _check_request(self, ws: Any) -> None:
+        """Reject a vector that is not one weight per entry of the trie's ``decode``.
+
+        Only ``decode`` is read, so any trie works, as with genlm-backend's wrapper (its own
+        tries, subclasses...); one without ``decode`` is left to fail in its batch.
+        """
         shape = getattr(ws, "shape", None)
-        if shape is None:
-            n = len(ws)
-        elif len(shape) != 1:
+        if shape is not None and len(shape) != 1:
             raise ValueError(f"Expected a 1-D weight vector, got shape {tuple(shape)}")
-        else:
-            n = int(shape[0])
-        self.trie._check_length(n)
+        decode = getattr(self.trie, "decode", None)
+        if decode is not None:
+            check_weight_count(len(decode), len(ws) if shape is None else int(shape[0]))
 
     async def _queue_request(self, request: Any, op: str) -> asyncio.Future[Any]:
         """Queue ``request`` for operation ``op``; returns the future of its result."""
