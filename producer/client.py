@@ -195,6 +195,9 @@ class PoolClient:
             if state.loop is current and state.dead is None:
                 with contextlib.suppress(Exception):  # else they end at their expiry
                     await self.quota.release_all(state.redis)
+        if self.quota.held:  # blocking calls' (or other loops'): no client of this loop had them
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.quota.release_all_sync, self.settings.redis_url)
         for state in states:
             if state.loop is current:
                 await state.end(reason)
@@ -233,6 +236,9 @@ class PoolClient:
             else:
                 _end_when_it_runs(state, reason)
         _close_all(syncs)
+        if self.quota.held:  # the tenant's quota gets back what this producer's calls held
+            with contextlib.suppress(Exception):  # else they end at their expiry
+                self.quota.release_all_sync(self.settings.redis_url)
 
 
 def _forget_sync(client: weakref.ref[PoolClient], state: SyncState) -> None:

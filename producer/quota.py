@@ -28,6 +28,7 @@ from producer.background import KEEP
 from producer.submit import Prepared
 from producer.target import Target
 from shared.errors import QuotaExceeded
+from shared.redis_conn import connect_redis_sync
 from shared.scripts import QUOTA_SCRIPT, run_script
 
 log = logging.getLogger("lmpool.producer")
@@ -115,6 +116,10 @@ class QuotaGate:
             while (delay := a.answer(await _run(redis, self.keys, a.args()))) > 0:
                 self._learn(a)
                 await asyncio.sleep(delay)
+        except QuotaExceeded:
+            if self.wait:  # its tries were not counted: the refusal is, once
+                await redis.hincrby(self.keys[0], "refused", len(prepared))
+            raise
         finally:  # a refusal, an answer, or no answer at all (then every call asks)
             self._learn(a)
         self.held.update(a.leases)
@@ -131,6 +136,10 @@ class QuotaGate:
             while (delay := a.answer(_run_sync(redis, self.keys, a.args()))) > 0:
                 self._learn(a)
                 time.sleep(delay)
+        except QuotaExceeded:
+            if self.wait:
+                redis.hincrby(self.keys[0], "refused", len(prepared))
+            raise
         finally:
             self._learn(a)
         self.held.update(a.leases)
@@ -165,6 +174,17 @@ class QuotaGate:
         if held:
             await redis.zrem(self.keys[1], *held)
 
+    def release_all_sync(self, redis_url: str) -> None:
+        """:meth:`release_all` through a connection of its own: a producer closed with no
+        event loop's client at hand (blocking calls in flight, ``close_sync``)."""
+        held, self.held = list(self.held), set()
+        if held:
+            redis = connect_redis_sync(redis_url)
+            try:
+                redis.zrem(self.keys[1], *held)
+            finally:
+                redis.close()
+
 
 class Admission:
     """One call's way through the quota, without I/O: the QUOTA script's arguments for each try,
@@ -184,7 +204,8 @@ class Admission:
         ids = self.gate.ids
         self.leases = [f"{self.gate.target.client_id}:{next(ids)}" for _ in self.prepared]
         lease_ms = int(self.timeout_s * 1000) + LEASE_GRACE_MS
-        return [self.gate.limits, lease_ms, self.tokens, *self.leases]
+        counted = "0" if self.gate.wait else "1"  # a waiting call counts its refusal itself
+        return [self.gate.limits, lease_ms, self.tokens, counted, *self.leases]
 
     def answer(self, reply: Any) -> float:
         """0 when the call may go (:attr:`leases` hold its leases, ``[]`` if no quota is set);

@@ -215,7 +215,10 @@ QUOTA = """
 --       no HSET, which would let them write the model's metadata
 -- ARGV: the tenant's quota key (limits, set by the operator; read here, in the same slot
 --       through the tenant's hash tag), lease ms (a lease never released, its producer dead,
---       ends then), the call's prompt tokens, then one lease id per request
+--       ends then), the call's prompt tokens, whether a refusal is counted here ('1'; '0':
+--       the caller waits for room and asks again, and counts the refusal itself if it gives
+--       up, so that a wait's tries do not count as refused requests), then one lease id per
+--       request
 -- Limits: in_flight (leases alive at once) and tokens_per_s (a bucket holding one second's
 -- tokens, so bursts stay within a second's worth; a call larger than that runs once the bucket
 -- is full and leaves it in debt). 0 or absent: no limit.
@@ -227,16 +230,14 @@ local most, rate = tonumber(limits[1]) or 0, tonumber(limits[2]) or 0
 if most <= 0 and rate <= 0 then return {3, 0} end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local lease_ms, cost, n = tonumber(ARGV[2]), tonumber(ARGV[3]), #ARGV - 3
+local lease_ms, cost, n = tonumber(ARGV[2]), tonumber(ARGV[3]), #ARGV - 4
 local function refuse(code, retry)
-  redis.call('HINCRBY', KEYS[1], 'refused', n)
+  if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[1], 'refused', n) end
   return {code, retry}
 end
-if most > 0 then
-  if n > most then return refuse(4, 0) end
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) + n > most then return refuse(1, 0) end
-end
+if most > 0 and n > most then return refuse(4, 0) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if most > 0 and redis.call('ZCARD', KEYS[2]) + n > most then return refuse(1, 0) end
 if rate > 0 then
   local bucket = redis.call('ZMSCORE', KEYS[3], 'tokens', 'ms')
   local have, at = tonumber(bucket[1]) or rate, tonumber(bucket[2]) or now
@@ -244,13 +245,14 @@ if rate > 0 then
   local need = math.min(cost, rate)
   if have < need then return refuse(2, math.ceil((need - have) * 1000 / rate)) end
   redis.call('ZADD', KEYS[3], have - cost, 'tokens', now, 'ms')
-  redis.call('PEXPIRE', KEYS[3], 60000)  -- a bucket a minute idle is full again anyway
+  -- kept until full again (a minute at least): a bucket in debt keeps its debt till repaid
+  local full_ms = math.ceil((rate - (have - cost)) * 1000 / rate)
+  redis.call('PEXPIRE', KEYS[3], math.max(60000, full_ms))
 end
-if most > 0 then
-  for i = 4, #ARGV do redis.call('ZADD', KEYS[2], now + lease_ms, ARGV[i]) end
-  if redis.call('PTTL', KEYS[2]) < lease_ms then
-    redis.call('PEXPIRE', KEYS[2], lease_ms)  -- gone once the last lease has ended
-  end
+-- leases also under a token limit alone: the requests in flight are shown all the same
+for i = 5, #ARGV do redis.call('ZADD', KEYS[2], now + lease_ms, ARGV[i]) end
+if redis.call('PTTL', KEYS[2]) < lease_ms then
+  redis.call('PEXPIRE', KEYS[2], lease_ms)  -- gone once the last lease has ended
 end
 redis.call('HINCRBY', KEYS[1], 'admitted', n)
 return {0, 0}

@@ -268,3 +268,144 @@ async def test_a_tenant_cannot_raise_its_own_quota(workers: Callable[..., Any]) 
         with pytest.raises(NoPermissionError):
             raw.hset(Keys("lab").quota("alice"), "in_flight", "1000")
         raw.close()
+
+
+@pytest.mark.asyncio
+async def test_a_token_debt_outlives_the_minute_the_bucket_key_lives(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A call larger than a second's tokens leaves the bucket in debt: the bucket (the debt)
+    must last until it is repaid, or a tenant gets a full bucket a minute later (a call of
+    100 tokens under 1 token/s would cost a minute, not 100 s: 1.67x its rate, and more
+    with larger calls)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V)
+    await quota(redis_url, "alice", tokens_per_s=1)
+    async with await connect(redis_url, "alice") as lm:
+        await lm.next_token_logprobs(list(range(1, 101)))  # 100 tokens: 99 s in debt
+        with pytest.raises(QuotaExceeded) as info:
+            await lm.next_token_logprobs([1])
+        assert info.value.retry_after_s > 98, info.value.retry_after_s
+    r = redis.Redis.from_url(redis_url)
+    try:
+        ttl_ms = cast("int", r.pttl(Keys().quota_bucket("alice")))
+    finally:
+        r.close()
+    assert ttl_ms >= 1000 * (info.value.retry_after_s - 1), (  # 1 s: the time these took
+        f"the bucket in debt for {info.value.retry_after_s} s expires in {ttl_ms} ms: "
+        "full again then"
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_token_quota_alone_still_shows_the_requests_in_flight(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """With a token quota and no in-flight limit, the status shows what is in flight (it
+    said 0 whatever the tenant had in flight)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=1500, max_batch=4)
+    await quota(redis_url, "alice", tokens_per_s=100_000)
+    async with await connect(redis_url, "alice") as lm:
+        call = asyncio.create_task(lm.batch_next_token_logprobs([[3, 1], [3, 2], [3, 3]]))
+        await wait_until(lambda: queued_by(redis_url, "alice") == 3, 10, "the call queued")
+        q = (await quota(redis_url, "alice", tokens_per_s=100_000))["alice"]
+        assert q["in_flight_now"] == 3, q
+        await call
+        q = (await quota(redis_url, "alice", tokens_per_s=100_000))["alice"]
+        assert q["in_flight_now"] == 0, q
+
+
+@pytest.mark.asyncio
+async def test_closing_gives_back_what_blocking_calls_held(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A producer used by blocking calls (threads) and closed while they are in flight: its
+    leases end at the close, not at the requests' timeout (120 s by default)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000, max_batch=1)
+    await quota(redis_url, "alice", in_flight=2)
+    lm = await connect(redis_url, "alice")
+    call = asyncio.create_task(
+        asyncio.to_thread(lm.batch_next_token_logprobs_sync, [[6, 3], [6, 4]])
+    )
+    await wait_until(lambda: queued_by(redis_url, "alice") == 2, 10, "the call to be queued")
+    await lm.close()
+    assert (await quota(redis_url, "alice", in_flight=2))["alice"]["in_flight_now"] == 0
+    await asyncio.gather(call, return_exceptions=True)  # its end releases nothing more
+    assert (await quota(redis_url, "alice", in_flight=2))["alice"]["in_flight_now"] == 0
+
+
+def test_close_sync_gives_back_what_blocking_calls_held(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=2000, max_batch=1)
+    asyncio.run(quota(redis_url, "alice", in_flight=2))
+    lm = asyncio.run(connect(redis_url, "alice"))
+    errors: list[BaseException] = []
+
+    def blocking() -> None:
+        try:
+            lm.batch_next_token_logprobs_sync([[6, 5], [6, 6]])
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=blocking)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while queued_by(redis_url, "alice") < 2:
+        assert time.monotonic() < deadline, "the call was not queued"
+        time.sleep(0.05)
+    lm.cleanup()  # close_sync
+    in_flight_at_close = asyncio.run(quota(redis_url, "alice", in_flight=2))["alice"]
+    thread.join(30)
+    assert in_flight_at_close["in_flight_now"] == 0, in_flight_at_close
+    in_flight = asyncio.run(quota(redis_url, "alice", in_flight=2))["alice"]["in_flight_now"]
+    assert in_flight == 0
+
+
+def test_the_quota_cli_refuses_limits_that_make_no_sense(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fraction of a request in flight (0.5 refused every call as one that "can never run"),
+    not-a-number or infinite limits (nan made no limit at all), limits given with --clear or
+    with no tenant (silently ignored): each refused, naming what is wrong."""
+    env = ["--redis-url", redis_url]
+    for bad, says in [
+        (["alice", "--in-flight", "0.5"], "whole number"),
+        (["alice", "--in-flight", "2.5"], "whole number"),
+        (["alice", "--in-flight", "nan"], "finite"),
+        (["alice", "--tokens-per-s", "nan"], "finite"),
+        (["alice", "--tokens-per-s", "inf"], "finite"),
+        (["alice", "--clear", "--in-flight", "4"], "--clear"),
+        (["--in-flight", "4"], "tenant"),
+    ]:
+        with pytest.raises(SystemExit):
+            quota_cli([*bad, *env])
+        assert says in capsys.readouterr().err, bad
+    assert quota_cli(["alice", "--in-flight", "3", "--tokens-per-s", "2.5", *env]) == 0
+    assert "in flight 0 of 3, prompt tokens/s 2.5" in capsys.readouterr().out
+    assert quota_cli(["alice", "--clear", *env]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_waits_for_room_is_not_counted_refused(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """With ``quota_wait`` a call over quota asks again every few ms until admitted: each try
+    counted as refused requests, the status said dozens refused where none was; only a call
+    that gives up is refused (counted once)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=500, max_batch=4)
+    await quota(redis_url, "alice", in_flight=1)
+    async with await connect(redis_url, "alice", quota_wait=True) as lm:
+        rows = await asyncio.gather(lm.next_token_logprobs([7, 1]), lm.next_token_logprobs([7, 2]))
+        assert torch.equal(rows[1], reference([7, 2]))
+    q = (await quota(redis_url, "alice", in_flight=1))["alice"]
+    assert (q["admitted"], q["refused"]) == (2, 0), q
+    holder = await connect(redis_url, "alice")
+    async with await connect(redis_url, "alice", quota_wait=True, timeout_s=0.3) as lm:
+        first = asyncio.create_task(holder.next_token_logprobs([7, 3]))  # 0.5 s in flight
+        await asyncio.sleep(0.1)
+        with pytest.raises(QuotaExceeded, match="after waiting"):
+            await lm.next_token_logprobs([7, 4])
+        await first
+    await holder.close()
+    q = (await quota(redis_url, "alice", in_flight=1))["alice"]
+    assert (q["admitted"], q["refused"]) == (3, 1), q

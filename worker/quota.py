@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 
 from shared.keys import Keys, check_tenant
 from shared.redis_conn import AnyRedis, connect_redis
@@ -44,6 +45,7 @@ async def read_quotas(redis: AnyRedis, keys: Keys) -> dict[str, dict[str, float]
 async def set_quota(redis: AnyRedis, keys: Keys, tenant: str, limits: dict[str, float]) -> None:
     """Set (or, with every limit 0, clear) ``tenant``'s quota."""
     check_tenant(tenant)
+    check_limits(limits)
     if not any(limits.values()):
         await redis.delete(keys.quota(tenant))
         await redis.srem(keys.quotas, tenant)  # type: ignore[misc]
@@ -84,10 +86,32 @@ async def run(args: argparse.Namespace) -> None:
         await redis.aclose()
 
 
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text}: a limit is >= 0 (0: no limit)")
+def check_limits(limits: dict[str, float]) -> None:
+    """``ValueError`` unless each limit is a finite number >= 0 and ``in_flight`` a whole
+    number (a fraction of a request would refuse every call, ``nan`` would limit nothing)."""
+    for name, value in limits.items():
+        if name not in FIELDS:
+            raise ValueError(f"{name!r} is not a quota limit (those are {', '.join(FIELDS)})")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} {value}: a limit is a finite number >= 0 (0: no limit)")
+        if name == "in_flight" and value != int(value):
+            raise ValueError(f"in_flight {value}: requests in flight is a whole number")
+
+
+def _in_flight(text: str) -> float:
+    return _limit_arg("in_flight", text)
+
+
+def _tokens_per_s(text: str) -> float:
+    return _limit_arg("tokens_per_s", text)
+
+
+def _limit_arg(name: str, text: str) -> float:
+    try:
+        value = float(text)
+        check_limits({name: value})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
     return value
 
 
@@ -95,13 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     parser = argparse.ArgumentParser(prog="lmpool-quota", description=__doc__.splitlines()[0])
     parser.add_argument("tenant", nargs="?", help="the tenant to set; none: show every quota")
-    parser.add_argument("--in-flight", type=_non_negative, default=0, metavar="N")
-    parser.add_argument("--tokens-per-s", type=_non_negative, default=0, metavar="R")
+    parser.add_argument("--in-flight", type=_in_flight, default=0, metavar="N")
+    parser.add_argument("--tokens-per-s", type=_tokens_per_s, default=0, metavar="R")
     parser.add_argument("--clear", action="store_true", help="remove the tenant's quota")
     parser.add_argument("--redis-url", default=settings.redis_url)
     parser.add_argument("--prefix", default=settings.key_prefix, help="key prefix")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    limited = bool(args.in_flight or args.tokens_per_s)
+    if not args.tenant and (limited or args.clear):
+        parser.error("name the tenant whose quota to set or clear")
+    if args.clear and limited:
+        parser.error("--clear removes the quota: give it without --in-flight/--tokens-per-s")
     if args.tenant:
         try:
             check_tenant(args.tenant)
