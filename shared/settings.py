@@ -186,7 +186,7 @@ class Settings:
         _check(self.backend in BACKENDS, f"LMPOOL_BACKEND must be one of {BACKENDS}")
         _check(self.dtype in DTYPES, f"LMPOOL_DTYPE must be one of {DTYPES}")
         _check(
-            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            self.device in ("auto", "cpu", "cuda") or _cuda_index(self.device),
             "LMPOOL_DEVICE must be auto, cpu, cuda or cuda:N",
         )
         for name in ("redis_url", "arq_redis_url"):
@@ -366,6 +366,12 @@ def _json_object(name: str, raw: str) -> dict[str, Any]:
         raise SettingsError(f"{var} is not JSON: {e}") from None
     _check(isinstance(value, dict), f"{var} must be a JSON object")
     return dict(value)
+
+
+def _cuda_index(device: str) -> bool:
+    """``cuda:N``, N a device index (torch refused ``cuda:x`` with a traceback at start-up)."""
+    index = device.removeprefix("cuda:")
+    return index != device and index.isascii() and index.isdigit()
 
 
 def _check(ok: bool, message: str) -> None:

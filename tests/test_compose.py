@@ -97,3 +97,22 @@ def test_cluster_profile() -> None:
     # the default services stay out of the profile
     for name in ("redis", "worker-gpu", "worker-cpu"):
         assert "profiles" not in services[name]
+
+
+def test_the_example_producer_asks_for_the_model_the_gpu_worker_serves() -> None:
+    """`LMPOOL_MODEL=/models/x docker compose up -d redis worker-gpu`, then `docker compose run
+    --rm producer` (the file's own recipe): the producer must ask for the model that worker
+    registered, ``LMPOOL_MODEL`` as given (without it, it asked for the bundled default, which
+    no worker served, and gave up after LMPOOL_CONNECT_TIMEOUT_S=600)."""
+    services = load()["services"]
+    for model in ("/models/llama-3-8b", ""):
+
+        def settings(name: str, model: str = model) -> Settings:
+            env = {
+                k: str(v).replace("${LMPOOL_MODEL:-}", model)
+                for k, v in (services[name].get("environment") or {}).items()
+            }
+            return Settings.from_env(env)
+
+        served = settings("worker-gpu").served_model_name
+        assert settings("producer").served_model_name == served, model

@@ -90,3 +90,21 @@ async def test_a_takeover_is_logged_when_it_happens(
         results = await asyncio.gather(held, *busy)
     for got, ids in zip(results, [[7, 7, 7], *prompts], strict=True):
         assert torch.equal(got, MockBackend(300).logprobs([ids], None)[0])
+
+
+def test_json_logs_are_json_from_start_to_stop(redis_url: str, workers: Callable[..., Any]) -> None:
+    """With LMPOOL_LOG_FORMAT=json every line the worker writes is one JSON object, arq's own
+    start-up and shutdown lines too (they came as ``16:02:33: Starting worker ...`` text, which
+    a log collector parsing JSON drops or garbles)."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=300, log_format="json")
+    assert w.terminate() == 0
+    lines = [line for line in w.log(100_000).splitlines() if line.strip()]
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not JSON: {line!r}") from None
+    messages = " | ".join(r["message"] for r in records)
+    assert "Starting worker" in messages and "shutdown on SIGTERM" in messages, messages
+    assert all(r["logger"] for r in records)

@@ -234,3 +234,120 @@ async def test_offline_work_does_not_starve_interactive_requests(
     r.close()
     assert left > 100, "the interactive request went ahead of the offline queue"
     assert waited < 1.0, waited
+
+
+@contextlib.contextmanager
+def _not_redis() -> Any:
+    """A loopback port that answers like an HTTP server (a metrics port, say), not Redis."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+
+
+def test_status_with_a_wrong_url_says_so_in_one_line(redis_url: str) -> None:
+    """A URL that is no Redis URL (exit 2), a database the server does not have, a port where
+    no Redis answers but something else does (exit 1): one line naming the URL, never a
+    traceback (they were tracebacks through redis-py)."""
+    base = redis_url.rsplit("/", 1)[0]
+    with _not_redis() as port:
+        cases = [
+            ("http://127.0.0.1:6379/0", 2, "--redis-url"),
+            (f"{base}/999", 1, "DB index is out of range"),
+            (f"redis://127.0.0.1:{port}/0", 1, f"127.0.0.1:{port}"),
+        ]
+        for url, code, says in cases:
+            out = subprocess.run(
+                [sys.executable, "-m", "worker.status", "--redis-url", url],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={"PATH": "/usr/bin:/bin"},
+            )
+            assert out.returncode == code, (url, out.stderr)
+            assert out.stdout == "" and out.stderr.count("\n") == 1, (url, out.stderr)
+            assert out.stderr.startswith("lmpool-status: ") and says in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr
+
+
+@pytest.mark.asyncio
+async def test_the_tenants_compute_seconds_add_up_to_the_workers_steps(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Each step's time is shared by the rows it ran, generations' decode steps included: the
+    tenants' ``compute_s`` add up to the worker's busy time, in the heartbeat and in the
+    metrics (before, a decode step that finished no generation was nobody's: samples of 16
+    tokens counted one step in 17)."""
+    port = free_port()
+    w = workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=10, metrics_port=port)
+    async with (
+        await RemoteLM.connect(redis_url, model=MODEL, tenant="gen") as gen,
+        await RemoteLM.connect(redis_url, model=MODEL, tenant="rows") as rows,
+    ):
+        await asyncio.gather(
+            *(gen.sample([5, i], max_tokens=16, eos_token_ids=[], seed=i) for i in range(4)),
+            rows.batch_next_token_logprobs([[i, 2] for i in range(8)]),
+        )
+    await w.wait_counter("requests", 12)
+    await asyncio.sleep(0.5)  # a heartbeat after the last write
+    info = w.info()
+    compute = {t: c["compute_s"] for t, c in info["tenants"].items()}
+    assert sum(compute.values()) == pytest.approx(info["busy_s"], rel=0.02, abs=0.005), info
+    assert compute["gen"] > 10 * 0.010, compute  # 16 decode steps of 10 ms at least
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in body.splitlines()
+        if line and not line.startswith("#")
+    }
+    labels = f'backend="mock",model="{MODEL}"'
+    tenants = sum(
+        v for k, v in values.items() if k.startswith("lmpool_tenant_compute_seconds_total")
+    )
+    assert tenants == pytest.approx(values[f"lmpool_batch_seconds_sum{{{labels}}}"], rel=0.02)
+    assert not [k for k in values if k.startswith("lmpool_tenant_") and "_s_total" in k]
+
+
+@pytest.mark.asyncio
+async def test_the_workers_log_never_shows_the_redis_password(
+    redis_server: Any, tmp_path: Any
+) -> None:
+    """The worker's start-up line names its Redis URL with the password masked, as every
+    other line and message does (it printed the URL as given)."""
+    from poolkit import WorkerProcess
+
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushall()
+    r.execute_command("ACL", "SETUSER", "lmw", "on", ">s3cret-pw", "~*", "&*", "+@all")
+    r.close()
+    url = redis_server.url_for("lmw", "s3cret-pw")
+    w = WorkerProcess(url, tmp_path, backend="mock", mock_vocab_size=V).start()
+    try:
+        w.wait_ready()
+        assert w.terminate() == 0
+    finally:
+        w.stop()
+        r = redis.Redis.from_url(redis_server.url)
+        r.execute_command("ACL", "DELUSER", "lmw")
+        r.close()
+    log = w.log(100_000)
+    assert "serving" in log and "lmw:***@" in log, log
+    assert "s3cret-pw" not in log, log

@@ -72,6 +72,9 @@ def test_a_misspelled_setting_names_the_closest_ones(var: str, hint: str | None)
         ("LMPOOL_BACKEND", "tgi"),
         ("LMPOOL_DTYPE", "int4"),
         ("LMPOOL_DEVICE", "tpu"),
+        ("LMPOOL_DEVICE", "cuda:x"),
+        ("LMPOOL_DEVICE", "cuda:-1"),
+        ("LMPOOL_DEVICE", "cuda:"),
         ("LMPOOL_REDIS_URL", "http://x"),
         ("LMPOOL_TIMEOUT_S", "-1"),
         ("LMPOOL_LORA", "noequals"),
@@ -220,3 +223,55 @@ def test_an_unreachable_pool_redis_stops_the_worker_naming_it(redis_url: str) ->
     masked = url.replace("hunter2", "***")
     assert f"cannot reach Redis at LMPOOL_REDIS_URL={masked}: " in res.stderr
     assert "hunter2" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_redis_url_naming_no_usable_redis_stops_the_worker_with_one_line(
+    redis_url: str,
+) -> None:
+    """LMPOOL_REDIS_URL with a database the server does not have, or the port of something
+    that is not Redis (an HTTP server): exit status 2, one line naming the URL, no traceback
+    (both were tracebacks through arq and redis-py, exit status 1). The pool's Redis behind a
+    good LMPOOL_ARQ_REDIS_URL too."""
+    import socket
+    import threading
+
+    http = socket.socket()
+    http.bind(("127.0.0.1", 0))
+    http.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = http.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    no_db = redis_url.rsplit("/", 1)[0] + "/999"
+    not_redis = f"redis://127.0.0.1:{http.getsockname()[1]}/0"
+    cases = [
+        ({"LMPOOL_REDIS_URL": no_db}, f"LMPOOL_REDIS_URL={no_db}: ", "DB index is out of range"),
+        ({"LMPOOL_REDIS_URL": not_redis}, f"LMPOOL_REDIS_URL={not_redis}: ", "Protocol error"),
+        (
+            {"LMPOOL_REDIS_URL": no_db, "LMPOOL_ARQ_REDIS_URL": redis_url},
+            f"LMPOOL_REDIS_URL={no_db}: ",
+            "DB index is out of range",
+        ),
+        (
+            {"LMPOOL_REDIS_URL": redis_url, "LMPOOL_ARQ_REDIS_URL": no_db},
+            f"LMPOOL_ARQ_REDIS_URL={no_db}: ",
+            "DB index is out of range",
+        ),
+    ]
+    try:
+        for env, names, says in cases:
+            res = _start_worker(LMPOOL_BACKEND="mock", **env)
+            assert res.returncode == 2, (env, res.stderr[-3000:])
+            assert "Traceback" not in res.stderr, res.stderr[-3000:]
+            [line] = [x for x in res.stderr.splitlines() if names in x]
+            assert says in line, line
+    finally:
+        http.close()

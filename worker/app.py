@@ -60,14 +60,16 @@ async def _start(ctx: dict[str, Any]) -> None:
 
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
-    cluster = await is_cluster_async(settings.redis_url)
+    try:
+        cluster = await is_cluster_async(settings.redis_url)
+    except (RedisConnectionError, RedisTimeoutError):
+        raise
+    except RedisError as e:
+        raise SettingsError(not_usable("LMPOOL_REDIS_URL", settings.redis_url, e)) from None
     if cluster and not settings.arq_redis_url:
         raise SettingsError(no_arq_redis(settings))
     if settings.arq_redis_url and await is_cluster_async(settings.arq_redis_url):
-        raise SettingsError(
-            f"LMPOOL_ARQ_REDIS_URL={masked_url(settings.arq_redis_url)} is a Redis Cluster node: "
-            "arq needs a plain Redis"
-        )
+        raise SettingsError(arq_on_cluster(settings))
     if settings.torch_threads:
         import torch
 
@@ -108,24 +110,41 @@ def no_arq_redis(settings: Settings) -> str:
     )
 
 
+def arq_on_cluster(settings: Settings) -> str:
+    return (
+        f"LMPOOL_ARQ_REDIS_URL={masked_url(settings.arq_redis_url)} is a Redis Cluster node: "
+        "arq needs a plain Redis"
+    )
+
+
 def unreachable(variable: str, url: str, error: BaseException) -> str:
     """The line a worker ends with when Redis does not answer (its password masked)."""
     return f"cannot reach Redis at {variable}={masked_url(url)}: {error}"
 
 
+def not_usable(variable: str, url: str, error: BaseException) -> str:
+    """The line a worker ends with when the server at ``url`` answers, but not as a Redis it
+    can use (a database it does not have, another protocol on that port, ACL refusals)."""
+    return f"{variable}={masked_url(url)}: {error} (is this the pool's Redis?)"
+
+
 def arq_url(settings: Settings) -> str:
     """Where arq's queue lives; checked here, at import, because arq talks to it before any
     start-up hook runs. A server that does not answer yet counts as no cluster (start-up asks
-    again)."""
-    if settings.arq_redis_url:
-        return settings.arq_redis_url
+    again); one that answers as no usable Redis is a setting error."""
+    variable = "LMPOOL_ARQ_REDIS_URL" if settings.arq_redis_url else "LMPOOL_REDIS_URL"
+    url = settings.arq_redis_url or settings.redis_url
     try:
-        cluster = is_cluster(settings.redis_url)
-    except (RedisError, OSError):
+        cluster = is_cluster(url)
+    except (RedisConnectionError, RedisTimeoutError, OSError):
         cluster = False
+    except RedisError as e:  # it answered, not as a usable Redis: a setting's fault
+        raise SettingsError(not_usable(variable, url, e)) from None
+    if cluster and settings.arq_redis_url:
+        raise SettingsError(arq_on_cluster(settings))
     if cluster:
         raise SettingsError(no_arq_redis(settings))
-    return settings.redis_url
+    return url
 
 
 def _or_exit(check: Callable[[], T]) -> T:
@@ -139,6 +158,12 @@ def _or_exit(check: Callable[[], T]) -> T:
 
 
 _SETTINGS = _or_exit(load_settings)
+if _SETTINGS.log_format == "json":  # arq's lines too: its CLI configures them after this import
+    import arq.cli
+
+    from worker.logs import arq_log_config
+
+    arq.cli.default_log_config = arq_log_config
 
 
 def _report_unreachable(

@@ -45,3 +45,13 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
         )
     root.addHandler(handler)
     root.propagate = False
+
+
+def arq_log_config(verbose: bool) -> dict[str, Any]:
+    """arq's own logging configuration (``arq.logs.default_log_config``, which its CLI applies
+    once it has imported the worker's settings) with lines in JSON, as lmpool's."""
+    from arq.logs import default_log_config
+
+    config = default_log_config(verbose)
+    config["formatters"]["arq.standard"] = {"()": JsonFormatter}
+    return config

@@ -69,8 +69,8 @@ class Metrics:
                 ("computed", "Distinct requests computed, by tenant"),
                 ("prompt_tokens", "Prompt tokens of the requests computed, by tenant"),
                 ("cache_hits", "Requests answered from the shared cache by the worker, by tenant"),
-                ("wait_s", "Seconds requests waited in their streams, by tenant"),
-                ("compute_s", "Seconds of backend steps (shared equally by rows), by tenant"),
+                ("wait_seconds", "Seconds requests waited in their streams, by tenant"),
+                ("compute_seconds", "Seconds of backend steps (shared equally by rows), by tenant"),
             )
         }
         self._labels = labels
@@ -115,7 +115,7 @@ class Metrics:
         """Bring the per-tenant counters up to the worker's totals (``Stats.tenants``)."""
         for tenant, counters in tenants.items():
             for name, counter in self.tenant_counters.items():
-                value = counters.get(name, 0.0)
+                value = counters.get(name.replace("_seconds", "_s"), 0.0)  # Stats' names
                 before = self._tenants_seen.get((tenant, name), 0.0)
                 if value > before:
                     counter.labels(**self._labels, tenant=tenant).inc(value - before)

@@ -15,7 +15,7 @@ from shared.aio import wait_event
 from shared.errors import ProtocolError, SettingsError
 from shared.keys import Keys
 from shared.protocol import PROTOCOL_VERSION
-from shared.redis_conn import TRANSIENT, AnyRedis, connect_redis, connect_redis_sync
+from shared.redis_conn import TRANSIENT, AnyRedis, connect_redis, connect_redis_sync, masked_url
 from shared.registry import ModelMeta
 from shared.settings import Settings
 from worker.backends.base import Backend, EngineDead
@@ -73,7 +73,8 @@ class PoolWorker:
             asyncio.create_task(reclaim_loop(self.consumer, self._stopping), name="lmpool-reclaim"),
             asyncio.create_task(renew_loop(self.consumer, served), name="lmpool-renew"),
         ]
-        log.info("worker %s serving %s on %s", self.worker_id, self.model, self.settings.redis_url)
+        url = masked_url(self.settings.redis_url)  # log lines never show the password
+        log.info("worker %s serving %s on %s", self.worker_id, self.model, url)
 
     async def _publish_meta(self) -> None:
         """Publish model metadata; refuse to mix different weights under one model name."""

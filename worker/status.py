@@ -15,12 +15,15 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, cast
+
+from redis.connection import parse_url
+from redis.exceptions import RedisError
 
 from shared import registry
 from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import GROUP, Keys
-from shared.redis_conn import AnyRedis, connect_redis, reaching
+from shared.redis_conn import AnyRedis, connect_redis, masked_url, reaching
 from shared.settings import Settings
 from worker.quota import read_quotas
 from worker.quota import render as render_quotas
@@ -270,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch < 0:
         parser.error(f"--watch {args.watch:g}: seconds between refreshes, 0 (print once) or more")
     try:
+        cast(Any, parse_url)(args.redis_url)  # redis-py's own parse (unannotated)
+    except ValueError as e:  # not a Redis URL: a bad argument (or setting), in one line
+        print(f"lmpool-status: --redis-url {masked_url(args.redis_url)}: {e}", file=sys.stderr)
+        return 2
+    try:
         with reaching(args.redis_url):
             if args.forget is not None:
                 print(asyncio.run(_forget(args.redis_url, args.prefix, args.forget)))
@@ -284,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except PoolUnreachable as e:
         print(f"lmpool-status: {e}", file=sys.stderr)
+        return 1
+    except RedisError as e:  # it answered, not as the pool's Redis: a wrong database or port
+        print(f"lmpool-status: Redis at {masked_url(args.redis_url)} refused: {e}", file=sys.stderr)
         return 1
     return 0
 

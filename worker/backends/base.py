@@ -159,6 +159,7 @@ class Backend(ABC):
         self._queued: list[Work] = []
         self._running: list[Generation] = []
         self._decoded_last = False
+        self.stepped: list[Work] = []  # what the last step ran, finished or not: its time's share
 
     # -- validation shared by every backend ---------------------------------------------
     def check_prompt(
@@ -276,6 +277,7 @@ class Backend(ABC):
 
     def step(self) -> list[Work]:
         """Advance the queued and running works by one model call; returns those finished."""
+        self.stepped = []
         if not self.has_work():
             return []
         waiting = [w for w in self._queued if w.kind != "sample"]
@@ -287,6 +289,7 @@ class Backend(ABC):
             self._admit()
         if self._running:
             self._decoded_last = True
+            self.stepped = [g.work for g in self._running]
             return self._decode_step()
         self._decoded_last = False
         return self._run_batch(waiting)
@@ -303,7 +306,7 @@ class Backend(ABC):
         return batch
 
     def _run_batch(self, waiting: list[Work]) -> list[Work]:
-        batch = self._take(waiting)
+        batch = self.stepped = self._take(waiting)
         self._compute(batch)
         return batch
 
@@ -420,12 +423,8 @@ class Backend(ABC):
         """A generation with genlm-backend's semantics (EOS not appended), through the
         scheduler: each token is drawn from ``softmax(logprobs / temperature)`` with a CPU
         generator seeded by ``seed``, so a seed gives the same tokens alone or in a batch."""
-        params = {
-            "max_tokens": max_tokens,
-            "eos": list(eos_token_ids),
-            "temperature": temperature,
-            "seed": seed,
-        }
+        params = {"max_tokens": max_tokens, "eos": list(eos_token_ids)}
+        params.update(temperature=temperature, seed=seed)
         (work,) = self.run([Work("sample", prompt, lora, params)])
         assert work.result is not None
         return [int(t) for t in work.result.tolist()]

@@ -232,6 +232,7 @@ class Compute:
         if finished:  # first: the writer's task then runs ahead of the reader woken below
             self.on_finished(finished)
         self.on_step(works, seconds)
+        self.backend.stepped = []  # read by on_step: it must not keep the step's rows alive
         for w in works:
             # A job and its work refer to each other: left so, the pair (the job's encoded
             # result, the work's tensors) waits for Python's rarest collection, and a worker

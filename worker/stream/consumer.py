@@ -327,10 +327,12 @@ class Consumer:
     def _stepped(self, works: list[Work], seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.observe_step(len(works), seconds)
-        for work in works:
+        # the step's time is its rows': those it finished and those it advanced (generations)
+        ran = self.backend.stepped or works
+        for work in ran:
             job = work.tag
             tenant = job.tenant if isinstance(job, Job) else ""
-            self.stats.tenant(tenant)["compute_s"] += seconds / len(works)
+            self.stats.tenant(tenant)["compute_s"] += seconds / len(ran)
         if works:
             high = [w.high for w in works]
             self.reader.note_step(any(high), not any(high))

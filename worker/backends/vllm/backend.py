@@ -217,7 +217,9 @@ class VLLMBackend(Backend):
             self._release_held()
             if self._ready or not self._inflight:
                 done, self._ready = self._ready, []
+                self.stepped = done
                 return done
+            self.stepped = list(self._inflight.values())  # every request in the engine's step
             self._prefetch_rows()
             try:
                 outputs = self.engine.step()
