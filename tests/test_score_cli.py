@@ -22,6 +22,8 @@ from poolkit import REPO, WorkerProcess
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
 from producer.score import enqueue_score_file, load_logprobs, read_job_progress
+from producer.scoring.options import ScoreOptions
+from producer.scoring.run import ScoreStats, score_jsonl
 from shared.keys import Keys
 
 V = 300
@@ -38,7 +40,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def cli(redis_url: str, *args: Any) -> list[str]:
+def cli(redis_url: str, *args: Any, model: str = MODEL) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -47,7 +49,7 @@ def cli(redis_url: str, *args: Any) -> list[str]:
         "--redis-url",
         redis_url,
         "--model",
-        MODEL,
+        model,
         "--no-progress",
     ]
 
@@ -56,9 +58,14 @@ def env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LMPOOL_")}
 
 
-def run_cli(redis_url: str, *args: Any) -> subprocess.CompletedProcess[str]:
+def run_cli(redis_url: str, *args: Any, model: str = MODEL) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        cli(redis_url, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=90
+        cli(redis_url, *args, model=model),
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
 
 
@@ -263,6 +270,47 @@ def test_bad_lines_fail_alone_and_are_retried(redis_url: str, tmp_path: Path) ->
     assert res.returncode == 0 and "3 done, 18 skipped (already done), 0 failed" in res.stdout
     assert len(read_jsonl(out)) == 21
     assert not (tmp_path / "out.jsonl.errors.jsonl").exists()
+
+
+def test_a_pool_slower_than_the_window_fails_no_line(
+    redis_server: RedisServer, workers: Callable[..., Any], tmp_path: Path
+) -> None:
+    """More requests in flight than the pool answers within --timeout-s: queued behind the
+    run's own others, each would wait past its timeout (3,000 full rows against one CPU worker
+    failed 689 lines so). The run keeps fewer in flight and sends a timed-out line again while
+    the pool answers others: no line fails for a long queue. A pool that answers nothing
+    does fail them, each saying so, and the next run retries them."""
+    vocab = 512  # a model of its own: the module's worker does not serve it
+    w = workers(
+        redis_server.url, backend="mock", mock_vocab_size=vocab, mock_delay_ms=100, max_batch=1
+    )  # about 10 rows a second: 64 in flight wait 6 s, twice the timeout
+    n = 100
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"ids": prompt(i)} for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    args = (inp, out, "--concurrency", 64, "--timeout-s", 3)
+    res = run_cli(redis_server.url, *args, model=f"mock-{vocab}")
+    errors = tmp_path / "out.jsonl.errors.jsonl"
+    assert res.returncode == 0, errors.read_text() if errors.exists() else res.stderr
+    assert f"{n} done, 0 skipped (already done), 0 failed" in res.stdout
+    assert sorted(r["id"] for r in read_jsonl(out)) == list(range(1, n + 1))
+    # A pool that answers nothing (its one worker frozen): each new line fails after its one
+    # wait, saying so, and the run ends.
+    more = write_jsonl(tmp_path / "more.jsonl", [{"ids": prompt(i)} for i in range(n + 3)])
+
+    async def frozen() -> ScoreStats:
+        async with await RemoteLM.connect(redis_server.url, f"mock-{vocab}", 2) as lm:
+            assert w.proc is not None
+            w.proc.send_signal(signal.SIGSTOP)
+            try:
+                return await score_jsonl(lm, more, out, ScoreOptions(concurrency=64))
+            finally:
+                w.proc.send_signal(signal.SIGCONT)
+
+    stats = asyncio.run(asyncio.wait_for(frozen(), 30))
+    assert (stats.skipped, stats.done, stats.failed) == (n, 0, 3)
+    assert all("RequestTimeout" in r["error"] for r in read_jsonl(errors))
+    res = run_cli(redis_server.url, more, out, *args[2:], model=f"mock-{vocab}")
+    assert res.returncode == 0 and f"3 done, {n} skipped (already done), 0 failed" in res.stdout
 
 
 def test_an_unreadable_line_does_not_take_the_id_of_its_number(

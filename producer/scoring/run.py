@@ -1,5 +1,6 @@
 """The run: every input line not yet in the output, through a ``RemoteLM``, at most
-``concurrency`` requests in flight.
+``concurrency`` requests in flight (fewer while the pool cannot answer that many within the
+request timeout, ``producer.scoring.window``).
 
 The ``RemoteLM`` is the caller's; ``lmpool-score`` and the arq job ``score_file`` open it with
 ``priority="low"`` and no local cache, so workers serve these requests after interactive work.
@@ -31,7 +32,8 @@ from producer.scoring.inputs import (
 )
 from producer.scoring.options import Key, ScoreOptions
 from producer.scoring.outputs import Output
-from shared.errors import InvalidRequest, LMPoolError
+from producer.scoring.window import Window
+from shared.errors import InvalidRequest, LMPoolError, RequestTimeout
 
 
 @dataclass
@@ -137,7 +139,7 @@ async def score_jsonl(
         stats.total = await asyncio.to_thread(count_lines, input_path)
         stats.known_done = len(output.done)
         stats.started = time.monotonic()
-        slots = asyncio.Semaphore(options.concurrency)
+        window = Window(options.concurrency, lm.timeout_s)
 
         def fail(key: Key, lineno: int, e: BaseException) -> None:
             record = {"id": key, "line": lineno, "error": error_text(e)}
@@ -149,11 +151,22 @@ async def score_jsonl(
 
         async def run(item: Item) -> None:
             try:
-                try:
-                    result = await compute(lm, item, options)
-                except (LMPoolError, ValueError, TypeError) as e:
-                    fail(item.key, item.line, e)
-                    return
+                tries = 0
+                while True:
+                    tries += 1
+                    sent_at = time.monotonic()
+                    try:
+                        result = await compute(lm, item, options)
+                        break
+                    except RequestTimeout as e:  # a long queue, or a pool that does not answer
+                        if window.timed_out(sent_at, tries):
+                            continue
+                        fail(item.key, item.line, window.why(e, sent_at, tries))
+                        return
+                    except (LMPoolError, ValueError, TypeError) as e:
+                        fail(item.key, item.line, e)
+                        return
+                window.answered()
                 if isinstance(result, np.ndarray):
                     output.write_vector(item.key, result)
                 else:
@@ -162,7 +175,7 @@ async def score_jsonl(
                 if progress is not None:
                     progress(stats)
             finally:
-                slots.release()
+                window.release()
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -190,7 +203,7 @@ async def score_jsonl(
             except LineError as e:
                 fail(key, lineno, e.error)
                 continue
-            await slots.acquire()
+            await window.acquire()
             if fatal:
                 break
             task = asyncio.create_task(run(item))
