@@ -108,3 +108,43 @@ def test_json_logs_are_json_from_start_to_stop(redis_url: str, workers: Callable
     messages = " | ".join(r["message"] for r in records)
     assert "Starting worker" in messages and "shutdown on SIGTERM" in messages, messages
     assert all(r["logger"] for r in records)
+
+
+@pytest.mark.asyncio
+async def test_requests_dropped_unrun_are_said_at_most_once_a_minute(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Requests whose askers gave up before the worker reached them are answered ``Expired``
+    and not computed: the operator is told (the log said nothing, and the pool looked idle to
+    a producer timing out), in one warning for all of them, not one a request."""
+    w = workers(redis_url, backend="mock", mock_vocab_size=300, mock_delay_ms=600, max_batch=1)
+
+    def said() -> list[str]:
+        return [x for x in w.log(1_000_000).splitlines() if "dropped unrun" in x]
+
+    def errors() -> int:
+        return int(w.info().get("errors", 0))
+
+    async with await RemoteLM.connect(redis_url, model="mock-300", timeout_s=0.4) as lm:
+        sent = iter(range(10, 1000))
+
+        async def rounds_until(done: Callable[[], bool]) -> None:
+            for _ in range(5):  # 4 requests a round, 0.6 s each: some wait past 0.4 s
+                calls = [lm.next_token_logprobs([next(sent), 1]) for _ in range(4)]
+                await asyncio.gather(*calls, return_exceptions=True)
+                deadline = time.monotonic() + 3  # a heartbeat or more after the answers
+                while not done() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                if done():
+                    return
+            raise AssertionError(w.log())
+
+        await rounds_until(lambda: bool(said()))
+        before = errors()
+        await rounds_until(lambda: errors() > before)  # more dropped, within the minute
+    await asyncio.sleep(1.0)  # five heartbeats more
+    lines = said()
+    assert len(lines) == 1, lines
+    assert "WARNING" in lines[0] and "LMPOOL_TIMEOUT_S" in lines[0], lines[0]
+    count = int(lines[0].split(" request(s) dropped unrun")[0].rsplit(" ", 1)[-1])
+    assert 1 <= count <= before, lines[0]

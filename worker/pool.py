@@ -25,6 +25,8 @@ from worker.stream.consumer import Consumer
 from worker.stream.reclaim import leave_groups, reclaim_loop, renew_loop
 
 log = logging.getLogger("lmpool.worker")
+EXPIRED_LOG_S = 60.0
+"""Requests dropped unrun (their askers gave up) are said at most once in this long."""
 
 
 class PoolWorker:
@@ -51,6 +53,8 @@ class PoolWorker:
         self.consumer.leases = self.leases
         self.started_at = time.time()
         self._stopping = asyncio.Event()
+        self._expired_said = (0, float("-inf"))
+        """Expired requests said so far, and when (``_say_expired``)."""
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
@@ -201,6 +205,21 @@ class PoolWorker:
             self.consumer.now_ms(),
         )
 
+    def _say_expired(self) -> None:
+        """A warning, at most one a minute, when requests were dropped unrun since the last:
+        their askers gave up (``LMPOOL_TIMEOUT_S``) before this worker reached them."""
+        stats, now = self.consumer.stats, time.monotonic()
+        dropped = stats.expired - self._expired_said[0]
+        if dropped and now - self._expired_said[1] >= EXPIRED_LOG_S:
+            log.warning(
+                "%d request(s) dropped unrun in the last %.0f s: their deadlines passed while "
+                "they were queued (the pool answers slower than the producers' timeouts: more "
+                "workers, fewer requests in flight or a longer LMPOOL_TIMEOUT_S)",
+                dropped,
+                min(now - self._expired_said[1], now - stats.started),
+            )
+            self._expired_said = (stats.expired, now)
+
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
             await wait_event(self._stopping, self.settings.heartbeat_s)
@@ -213,6 +232,7 @@ class PoolWorker:
                 await self._sync_clock()
                 await self._republish_if_lost()
                 await self._beat()
+                self._say_expired()
                 await self._rebalance()
                 await self.consumer.adapters.sync()
                 # rows made in the compute thread and freed in this one (shared.heap)

@@ -54,6 +54,8 @@ class Stats:
     cache_hits: int = 0
     skipped: int = 0
     errors: int = 0
+    expired: int = 0
+    """Of ``errors``: answered ``Expired`` (their askers had given up before they ran)."""
     dead_letters: int = 0
     busy_s: float = 0.0
     recent: list[tuple[float, int]] = field(default_factory=list)
@@ -94,6 +96,7 @@ class Stats:
                 self.dead_letters += 1
             elif job.outcome in ("error", "expired"):
                 self.errors += 1
+                self.expired += job.outcome == "expired"
         now = time.monotonic()
         self.recent.append((now, n))
         self._forget_old(now)
