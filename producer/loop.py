@@ -248,7 +248,7 @@ class LoopState:
     def _failed(self, batch: list[Pending], error: Exception) -> None:
         log.exception("submitting %d request(s) failed", len(batch))
         for p in batch:
-            self._settle(p, error=LMPoolError(f"submitting the request failed: {error!r}"))
+            self._settle(p, error=self.submitter.submit_error(error))
 
     def _refused(self, p: Pending, outcome: Any, force: bool = False) -> None:
         """Act on a SUBMIT outcome other than queued, joined or cached (a full queue, a failure)."""
@@ -257,7 +257,7 @@ class LoopState:
         elif isinstance(outcome, TRANSIENT):  # again after a pause (LOADING: not at once)
             self._spawn(self._unreachable([p], outcome, force))
         elif isinstance(outcome, Exception):
-            self._settle(p, error=LMPoolError(f"submit failed: {outcome!r}"))
+            self._settle(p, error=self.submitter.submit_error(outcome))
 
     async def _send_whole(self, p: Pending) -> None:
         """A request alone in this loop: SUBMIT, the pop of its reply and the GET of its result

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from producer.target import Target
 from shared import protocol
-from shared.errors import Expired, LMPoolError, QueueFull, RequestTimeout
+from shared.errors import Expired, LMPoolError, QueueFull, RedisFull, RequestTimeout
 from shared.redis_conn import AnyRedis, connect_redis_sync, is_cluster
 from shared.scripts import SUBMIT_SCRIPT, execute, run_script, submit_call
 
@@ -111,6 +111,18 @@ class Submitter:
             f"queue of model {c.model!r} holds LMPOOL_MAX_QUEUE={c.settings.max_queue} "
             "requests; retry later"
         )
+
+    def submit_error(self, error: BaseException) -> LMPoolError:
+        """The error of a SUBMIT call that failed: ``RedisFull`` when Redis refused it for
+        want of memory (nothing of it was done: a script refused at its first write)."""
+        if isinstance(error, OutOfMemoryError):
+            return RedisFull(
+                f"Redis is full: it refused to queue a request for model {self.target.model!r} "
+                "(its used memory is above maxmemory and its maxmemory-policy finds nothing to "
+                "evict). Raise maxmemory, or let Redis evict cached results with "
+                f"maxmemory-policy volatile-lru (README, 'Redis memory'). Redis said: {error}"
+            )
+        return LMPoolError(f"submit failed: {error!r}")
 
     def whole_commands(
         self, prepared: Prepared, deadline_ms: int, force: bool, block_s: float
@@ -307,7 +319,7 @@ class SyncState:
         if outcome == "full":
             raise self.submitter.queue_full()
         if isinstance(outcome, Exception):
-            raise LMPoolError(f"submit failed: {outcome!r}")
+            raise self.submitter.submit_error(outcome)
 
     def _fetch(
         self, digests: list[str], wanted: dict[str, Prepared], results: dict[str, bytes]

@@ -86,6 +86,15 @@ class QuotaExceeded(LMPoolError):
         self.retry_after_s = retry_after_s
 
 
+class RedisFull(LMPoolError):
+    """Redis refused a write (``OOM``): its used memory is above ``maxmemory`` and its
+    ``maxmemory-policy`` finds nothing to evict (``noeviction``; under ``volatile-*``, no key
+    with a TTL). The request is not queued. Raise ``maxmemory``, or let Redis evict cached
+    results (``maxmemory-policy volatile-lru``; README, "Redis memory")."""
+
+    code = "redis_full"
+
+
 class PoolUnreachable(LMPoolError, ConnectionError):
     """The pool's Redis does not answer: refused, timed out, or the credentials are refused."""
 
@@ -117,6 +126,7 @@ _BY_CODE: dict[str, type[LMPoolError]] = {
         Expired,
         QueueFull,
         QuotaExceeded,
+        RedisFull,
         PoolUnreachable,
         WorkerError,
         DeadLettered,

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from redis.exceptions import BusyLoadingError, ReadOnlyError, ResponseError
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -97,12 +97,15 @@ class Loading(ResponseError, BusyLoadingError):
 
 def error_reply(message: str) -> ResponseError:
     """The exception for an error reply, of redis-py's class for the states a server passes
-    through (loading its data, a replica before its promotion), whole message kept."""
+    through (loading its data, a replica before its promotion, full: ``OOM``), whole message
+    kept."""
     code = message.partition(" ")[0]
     if code == "LOADING":
         return Loading(message)
     if code == "READONLY":
         return ReadOnlyError(message)
+    if code == "OOM":
+        return OutOfMemoryError(message)
     return ResponseError(message)
 
 

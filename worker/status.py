@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any, cast
 
+from redis.asyncio.cluster import RedisCluster
 from redis.connection import parse_url
 from redis.exceptions import RedisError
 
@@ -44,9 +45,40 @@ async def collect(redis: AnyRedis, keys: Keys) -> dict[str, Any]:
     models = sorted(_s(m) for m in await redis.smembers(keys.models))  # type: ignore[misc]
     out: dict[str, Any] = {"time": time.time(), "models": {}, "jobs": await _jobs(redis, keys)}
     out["quotas"] = await read_quotas(redis, keys)
+    try:
+        out["redis"] = await redis_memory(redis)
+    except RedisError:  # INFO refused (an ACL user without it): no memory line
+        out["redis"] = {}
     for model in models:
         out["models"][model] = await _model(redis, keys, model)
     return out
+
+
+async def redis_memory(redis: AnyRedis) -> dict[str, Any]:
+    """Redis' memory (on a cluster, its primary nearest its cap): bytes used, ``maxmemory``
+    (0: no cap), ``maxmemory_policy``, keys evicted and commands refused for want of memory
+    (``OOM``) since it started, and ``full``: above its cap now, so that it refuses writes
+    (it evicts before each command what its policy lets it: nothing was left to evict)."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for section in ("memory", "stats", "errorstats"):
+        if isinstance(redis, RedisCluster):
+            got = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
+        else:
+            got = {"": await redis.info(section)}
+        for node, info in got.items():
+            nodes.setdefault(node, {}).update(info)
+
+    def view(i: dict[str, Any]) -> dict[str, Any]:
+        used, cap = int(i.get("used_memory", 0)), int(i.get("maxmemory", 0))
+        oom = i.get("errorstat_OOM")
+        return {
+            "used_memory": used, "maxmemory": cap, "maxmemory_policy": i.get("maxmemory_policy"),
+            "evicted_keys": int(i.get("evicted_keys", 0)), "full": bool(cap) and used > cap,
+            "refused_oom": int(oom["count"]) if isinstance(oom, dict) else 0,
+        }  # fmt: skip
+
+    views = [view(i) for i in nodes.values()]
+    return max(views, key=lambda v: (v["full"], v["used_memory"] / (v["maxmemory"] or 1 << 62)))
 
 
 async def _model(redis: AnyRedis, keys: Keys, model: str) -> dict[str, Any]:
@@ -139,7 +171,7 @@ def _pct(x: float | None) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
-    lines = []
+    lines = [_memory(data["redis"])] if data.get("redis") else []
     if not data["models"]:
         lines.append("no model has registered a worker on this Redis (yet)")
     for model, m in data["models"].items():
@@ -183,6 +215,24 @@ def render(data: dict[str, Any]) -> str:
             + (f": {job['error']}" if job.get("error") else "")
         )
     return "\n".join(lines)
+
+
+def _memory(r: dict[str, Any]) -> str:
+    mb = r["used_memory"] / (1 << 20)
+    if not r["maxmemory"]:
+        return f"Redis: {mb:.1f} MB used, no maxmemory cap"
+    line = (
+        f"Redis: {mb:.1f} of {r['maxmemory'] / (1 << 20):.1f} MB (maxmemory-policy "
+        f"{r['maxmemory_policy']}), {r['evicted_keys']} keys evicted, "
+        f"{r['refused_oom']} commands refused for want of memory"
+    )
+    if r["full"]:
+        line += (
+            "; FULL: it refuses writes (requests fail with RedisFull, workers' heartbeats are "
+            "refused, so they may show as dead): raise maxmemory, or use maxmemory-policy "
+            "volatile-lru so that cached results are evicted"
+        )
+    return line
 
 
 def _unserved(model: str, m: dict[str, Any]) -> list[str]:

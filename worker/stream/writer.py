@@ -23,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.exceptions import OutOfMemoryError
+
 from shared import protocol
 from shared.keys import GROUP, Keys
 from shared.protocol import wire_bytes, wire_len
@@ -118,6 +120,13 @@ class Writer:
             self._writing = batch
             try:
                 written = await until_done(functools.partial(self.write, batch), self._is_stopping)
+            except OutOfMemoryError as e:
+                # Redis full: the SETs were refused, but FINISH ran (its first write, a DEL, is
+                # never refused) and the entries were acknowledged: the askers, told to read
+                # results that are not there, ask again, and get RedisFull while Redis is full.
+                log.error("Redis is full (%s): %d results not stored; their askers ask again",
+                          e, len(batch))  # fmt: skip
+                written = False
             except Exception:
                 # Refused (not unreachable: that is retried). The entries are let go: no longer
                 # renewed, they are queued again by their producers or taken over by a worker.
