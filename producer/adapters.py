@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared.errors import InvalidRequest, UnknownAdapter
 from shared.keys import Keys, check_name
-from shared.registry import AdapterEntry, adapter_entry, parse_adapter
+from shared.registry import AdapterEntry, adapter_entry, file_hash, parse_adapter
 
 if TYPE_CHECKING:
     from producer.client import PoolClient
@@ -135,9 +135,17 @@ class AdapterMethods:
         files = adapter_files(lora_path, max_bytes)
         keys = self._client.keys
         adapter_id, commands = upload_commands(keys, self.model, lora_name, files)
+        hashes = {file_hash(data) for data in files.values()}
 
         def upload_now() -> str:
+            registry = keys.lora_registry(self.model)
+            (raw,) = self._client.execute_sync([("hget", (registry, lora_name))])
             self._client.execute_sync(commands)
+            # the files of the adapter it replaces, but the ones they share
+            old = parse_adapter(raw)["files"].values() if raw is not None else ()
+            stale = tuple(keys.lora_file(self.model, lora_name, h) for h in old if h not in hashes)
+            if stale:
+                self._client.execute_sync([("delete", stale)])
             self._adapters.put(lora_name, adapter_id)
             return adapter_id
 

@@ -37,6 +37,10 @@ def worker_rule(user: str, password: str, prefix: str = "lmpool") -> str:
     )
 
 
+ADAPTER_COMMANDS = ("hget", "hset", "hdel", "set")
+"""Commands a producer sends to the run-time LoRA adapters' keys only (``producer.adapters``):
+given by a selector of their own, so that no other key (results, metadata) can be set."""
+
 TENANT_WRITES = (
     "{*}:stats", "{*}:due", "{*}:res:*", "{*}:wait:*", "{*}:tenants",  # SUBMIT, results
     "reply:*", "lora:*", "lorafile:*",  # replies, run-time adapters
@@ -62,7 +66,12 @@ def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool
             *TENANT_WRITES,
         ]
         keys = f"%R~{prefix}:* " + " ".join(f"~{prefix}:{pattern}" for pattern in own)
-    return f"user {user} on >{password} resetkeys {keys} resetchannels -@all {commands}"
+    adapters = " ".join(
+        [f"~{prefix}:lora:*", f"~{prefix}:lorafile:*", *(f"+{c}" for c in ADAPTER_COMMANDS)]
+    )
+    return (
+        f"user {user} on >{password} resetkeys {keys} resetchannels -@all {commands} ({adapters})"
+    )
 
 
 if __name__ == "__main__":

@@ -127,3 +127,85 @@ def test_adapter_uploads_are_checked_before_sending(tmp_path: Path, tiny_llama: 
     (a / "adapter_model.safetensors").rename(a / "adapter_model.bin")
     with pytest.raises(ValueError, match="pickled"):
         adapter_files(a, 1 << 30)
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_that_fails_to_load_leaves_the_base_model_as_it_was(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """An adapter made for another model's shapes is refused with the reason, and the
+    worker's base model (and its other adapters) still give the reference's rows: peft had
+    injected the adapter's layers before its weights failed to load."""
+    from poolkit import build_tiny_llama
+
+    wide = build_tiny_llama(tmp_path / "wide", hidden_size=96)
+    bad = build_adapter(wide, tmp_path / "bad", 3)
+    a = build_adapter(tiny_llama, tmp_path / "a", 1)
+    workers(redis_url, model=str(tiny_llama), max_batch=8, kv_cache_mb=0)
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        await lm.add_new_lora(bad, "bad")
+        for _ in range(2):  # a second request tries again, and fails the same way
+            with pytest.raises(
+                UnknownAdapter, match=r"(?s)'bad' could not be loaded.*size mismatch"
+            ):
+                await lm.next_token_logprobs([5, 6, 7, 8], lora_name="bad")
+        base_row = await lm.next_token_logprobs([5, 6, 7, 9])
+        await lm.add_new_lora(a, "a")
+        a_row = await lm.next_token_logprobs([5, 6, 7, 10], lora_name="a")
+        with pytest.raises(UnknownAdapter, match="size mismatch"):
+            await lm.next_token_logprobs([5, 6, 7, 8], lora_name="bad")
+        base_again = await lm.next_token_logprobs([5, 6, 7, 11])
+    assert (base_row - reference(tiny_llama, None, [5, 6, 7, 9])).abs().max() <= 1e-5
+    assert (a_row - reference(tiny_llama, a, [5, 6, 7, 10])).abs().max() <= 1e-5
+    assert (base_again - reference(tiny_llama, None, [5, 6, 7, 11])).abs().max() <= 1e-5
+
+
+@pytest.mark.asyncio
+async def test_replacing_and_removing_an_adapter_leaves_none_of_its_files_in_redis(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path, tmp_path: Path
+) -> None:
+    import redis as redis_lib
+
+    a = build_adapter(tiny_llama, tmp_path / "a", 1)
+    b = build_adapter(tiny_llama, tmp_path / "b", 2)
+    workers(redis_url, backend="mock", mock_vocab_size=320)
+    admin = redis_lib.Redis.from_url(redis_url)
+    async with await RemoteLM.connect(redis_url, model="mock-320") as lm:
+        await lm.add_new_lora(a, "mine")
+        await lm.add_new_lora(b, "mine")  # the same name, other weights
+        await lm.add_new_lora(a, "other")
+        files = sorted(admin.scan_iter(match="lmpool:lorafile:*"))
+        assert len(files) == 4, files  # two adapters of two files each, a's old weights gone
+        await lm.remove_lora("mine")
+        await lm.remove_lora("other")
+    assert list(admin.scan_iter(match="lmpool:lora*")) == []
+    admin.close()
+
+
+@pytest.mark.asyncio
+async def test_tenants_under_the_acl_rules_add_use_and_remove_adapters(
+    workers: Callable[..., Any], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """README's least-privilege rules let a producer name adapters, add and remove them."""
+    from localpool.redis_server import RedisServer
+    from shared.acl import producer_rule, worker_rule
+    from shared.settings import Settings
+
+    a = build_adapter(tiny_llama, tmp_path / "a", 1)
+    rules = [
+        worker_rule("w", "pw", "lab"),
+        producer_rule("alice", "pa", "lab", tenant=True),
+        producer_rule("p", "pp", "lab"),
+    ]
+    ids, model = [5, 6, 7, 8], str(tiny_llama)
+    with RedisServer(password="admin", acl_lines=rules) as server:
+        workers(server.url_for("w", "pw"), model=model, lora=f"static={a}", key_prefix="lab")
+        for user, password in (("alice", "pa"), ("p", "pp")):
+            settings = Settings(redis_url=server.url_for(user, password), key_prefix="lab")
+            async with await RemoteLM.connect(model=model, settings=settings) as lm:
+                static = await lm.next_token_logprobs(ids, lora_name="static")
+                await lm.add_new_lora(a, f"mine-{user}")
+                mine = await lm.next_token_logprobs(ids, lora_name=f"mine-{user}")
+                await lm.remove_lora(f"mine-{user}")
+            assert (static - reference(tiny_llama, a, ids)).abs().max() <= 1e-5
+            assert (mine - reference(tiny_llama, a, ids)).abs().max() <= 1e-5

@@ -101,7 +101,11 @@ class AdapterLoader:
             (tmp / fname).write_bytes(data)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
-        await self.run_in_compute(lambda: self.backend.add_lora(adapter_id, str(folder)))
+        try:
+            await self.run_in_compute(lambda: self.backend.add_lora(adapter_id, str(folder)))
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)  # sync() removes only loaded ones
+            raise
         log.info("loaded run-time LoRA adapter %s", adapter_id)
 
     async def sync(self) -> None:

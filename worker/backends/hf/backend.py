@@ -164,10 +164,20 @@ class HFBackend(Backend):
 
         if name in self.adapters:
             self.remove_lora(name)
-        if isinstance(self.model, PeftModel):
-            self.model.load_adapter(path, adapter_name=name)
-        else:
-            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        wrapped = isinstance(self.model, PeftModel)
+        try:
+            if wrapped:
+                self.model.load_adapter(path, adapter_name=name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        except Exception:
+            # peft injects the adapter's layers before it loads their weights: a failed load
+            # (another model's shapes) leaves them in the model, active on an unwrapped one
+            if wrapped and name in self.model.peft_config:
+                self.model.delete_adapter(name)
+            elif not wrapped:
+                strip_adapter_layers(self.model)
+            raise
         self.model.eval()
         self.adapters.add(name)
         self.info["adapters"] = sorted(self.adapters)
@@ -284,6 +294,18 @@ def quantization_kwargs(mode: str, device: torch.device, dtype: torch.dtype) -> 
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
         )
     return {"quantization_config": config, "device_map": str(device)}
+
+
+def strip_adapter_layers(model: Any) -> None:
+    """Put back in ``model`` the modules peft wrapped in adapter layers (as peft's ``unload``
+    does, for a model it injected layers into but never wrapped)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())
+    model.__dict__.pop("peft_config", None)  # peft keeps its configs on the model too
 
 
 def load_adapters(backend: HFBackend, adapters: dict[str, str]) -> set[str]:
