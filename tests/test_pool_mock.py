@@ -745,3 +745,40 @@ async def test_a_wrong_argument_is_named_as_the_argument_not_the_variable(
     monkeypatch.setenv("LMPOOL_REDIS_URL", "http://wrong")
     with pytest.raises(NoWorker):  # the argument's Redis was reached: no worker of MODEL there
         await RemoteLM.connect(redis_url, model=MODEL, connect_timeout_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_offline_work_gets_its_share_while_interactive_callers_keep_the_worker_busy(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """Sixteen interactive callers, each asking again as soon as it has its answer, keep one
+    worker's look-ahead full; offline requests sent meanwhile are answered all the same, in
+    the steps their guaranteed share gives them (before: none of them, however long the flood
+    lasted, as long as interactive work waited: a batch job behind an SMC run timed out)."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=20, max_batch=4)
+    answered = 0
+    flooding = True
+
+    async def caller(k: int, lm: RemoteLM) -> None:
+        nonlocal answered
+        i = 0
+        while flooding:
+            await lm.next_token_logprobs([k, i, 1, 2])
+            answered, i = answered + 1, i + 1
+
+    async with (
+        await RemoteLM.connect(redis_url, model=MODEL, timeout_s=60) as lm,
+        await RemoteLM.connect(redis_url, model=MODEL, priority="low", timeout_s=60) as offline,
+    ):
+        callers = [asyncio.ensure_future(caller(k, lm)) for k in range(16)]
+        try:
+            while answered < 64:  # the flood is on
+                await asyncio.sleep(0.02)
+            prompts = [[i, 9, 9] for i in range(8)]
+            rows = await asyncio.wait_for(offline.batch_next_token_logprobs(prompts), 15)
+            assert flooding and not any(c.done() for c in callers)
+        finally:
+            flooding = False
+            await asyncio.gather(*callers)
+    for row, ids in zip(rows, prompts, strict=True):
+        assert torch.equal(row, reference(ids))

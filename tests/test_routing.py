@@ -174,3 +174,85 @@ def test_clear_kv_cache_unpins_a_prefix_on_every_shard_it_was_pinned_on(
     r.close()
     lm.cleanup()
     assert queued == [2, 2, 0, 0], queued  # a pin and an unpin on each of the two shards
+
+
+def _pending_of(url: str, stream: str) -> dict[str, int]:
+    """Consumer -> entries it holds in ``stream``."""
+    from shared.keys import GROUP
+
+    r = redis.Redis.from_url(url)
+    try:
+        summary: Any = r.xpending(stream, GROUP)
+    finally:
+        r.close()
+    return {c["name"].decode(): int(c["pending"]) for c in summary["consumers"] or []}
+
+
+@pytest.mark.asyncio
+async def test_a_dead_owners_shard_is_taken_over_though_an_answer_left_a_gap(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A worker killed while it computes an entry of its shard leaves that entry pending; the
+    survivor takes the shard's next request after ``steal_after_ms`` and answers it (XACK +
+    XDEL). The request after that must be taken over too, long before the dead owner's lease
+    lapses (before: Redis reports a group's lag as nil once a deleted entry follows a pending
+    one, which read as nothing to take, so it waited for the lease: past its timeout)."""
+    from shared.keys import Keys
+
+    slow = {**MOCK, "heartbeat_s": 4, "steal_after_ms": 1000}  # leases live 8-12 s after a kill
+    a = workers(redis_url, **slow, mock_delay_ms=60_000)
+    await wait_for(lambda: shards_of(a) == [0, 1, 2, 3])
+    b = workers(redis_url, **slow)
+    await wait_for(lambda: len(shards_of(a)) == 2 and len(shards_of(b)) == 2, timeout_s=30)
+    shard = shards_of(a)[0]
+    key = next(f"run-{i}" for i in range(256) if shard_of(b"", 4, 32, f"run-{i}") == shard)
+    stream = Keys().stream(MODEL, "high", shard)
+    (a_id,) = a.worker_ids()
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=5) as lm:
+        held = asyncio.ensure_future(lm.next_token_logprobs([1, 2, 3], affinity=key))
+        try:
+            await wait_for(lambda: _pending_of(redis_url, stream).get(a_id) == 1)
+            a.kill()  # its entry stays pending, its lease and heartbeat live on for 8 s at least
+            killed = time.monotonic()
+            for ids in ([4, 5, 6], [7, 8, 9]):  # the first is taken over, then answered
+                row = await lm.next_token_logprobs(ids, affinity=key)
+                assert torch.equal(row, reference(ids))
+            took = time.monotonic() - killed
+        finally:
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+    assert took < 8, f"the dead owner's shard waited for its lease to lapse: {took:.1f}s"
+
+
+def _lease_owners(url: str) -> dict[int, str | None]:
+    """Shard -> the worker id its lease names (None: free), read from Redis."""
+    from shared.keys import Keys
+
+    r = redis.Redis.from_url(url)
+    try:
+        values: list[Any] = [r.get(Keys().lease(MODEL, s)) for s in range(4)]
+    finally:
+        r.close()
+    return {s: v.decode() if v else None for s, v in enumerate(values)}
+
+
+@pytest.mark.asyncio
+async def test_a_workers_published_shards_follow_its_leases_at_once(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """The shards a worker's heartbeat shows (``lmpool-status --json``) are the leases it
+    holds as soon as they change (before: the heartbeat was written before the leases moved,
+    so for a whole heartbeat a worker that gave shards up still showed them, and one that took
+    them did not)."""
+    slow = {**MOCK, "heartbeat_s": 5}
+    a = workers(redis_url, **slow)
+    (a_id,) = a.worker_ids()
+    await wait_for(lambda: shards_of(a) == [0, 1, 2, 3])
+    b = workers(redis_url, **slow)
+    (b_id,) = b.worker_ids()
+    await wait_for(lambda: list(_lease_owners(redis_url).values()).count(a_id) == 2, 30)
+    held = [s for s, owner in _lease_owners(redis_url).items() if owner == a_id]
+    await wait_for(lambda: shards_of(a) == held, timeout_s=1)
+    await wait_for(lambda: list(_lease_owners(redis_url).values()).count(b_id) == 2, 30)
+    taken = [s for s, owner in _lease_owners(redis_url).items() if owner == b_id]
+    await wait_for(lambda: shards_of(b) == taken, timeout_s=1)

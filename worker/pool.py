@@ -158,6 +158,7 @@ class PoolWorker:
         before = set(self.leases.owned)
         after = await self.leases.refresh(len(live))
         if after != before:
+            await self._beat()  # the heartbeat shows the shards held now, not a period ago
             log.info(
                 "shards owned: %s (of %d, %d live workers)",
                 sorted(after),

@@ -1,8 +1,7 @@
 """The interface every backend implements, and the scheduler most of them share.
 
 Backends are synchronous: the worker drives them from one compute thread, so that Redis I/O
-for the next works overlaps the model.
-"""
+for the next works overlaps the model."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from shared.errors import InvalidRequest, UnknownAdapter
 from shared.registry import ModelDescription
 
 log = logging.getLogger("lmpool.worker")
+OFFLINE_SHARE_EVERY = 4  # batches in a row that may leave offline works waiting; then theirs
 
 
 class EngineDead(RuntimeError):
@@ -139,8 +139,7 @@ class Backend(ABC):
     Subclasses implement :meth:`logprobs` and :meth:`score` (with ``greedy``: each token's
     log-prob beside whether it is the argmax of its position, see :func:`with_greedy`); they
     may override :meth:`score_many`, :meth:`decode_logprobs`, :meth:`pin_prefix` and
-    :meth:`kv_stats`, whose defaults are correct but do less.
-    """
+    :meth:`kv_stats`, whose defaults are correct but do less."""
 
     name: str = "base"
     info: ModelDescription
@@ -159,6 +158,7 @@ class Backend(ABC):
         self._queued: list[Work] = []
         self._running: list[Generation] = []
         self._decoded_last = False
+        self._high_run = 0  # batches in a row that left offline works waiting
         self.stepped: list[Work] = []  # what the last step ran, finished or not: its time's share
 
     # -- validation shared by every backend ---------------------------------------------
@@ -270,8 +270,7 @@ class Backend(ABC):
         return dropped
 
     def abandon(self) -> None:
-        """Forget every queued and running work: a step failed as a whole, and the worker
-        answered them all with its error."""
+        """Forget every queued and running work (a step failed: all answered with its error)."""
         self._queued.clear()
         self._running.clear()
 
@@ -295,12 +294,14 @@ class Backend(ABC):
         return self._run_batch(waiting)
 
     def _take(self, works: list[Work]) -> list[Work]:
-        """The next batch: interactive works first, at most ``max_batch`` rows, one kind and
-        adapter (by rank, then arrival order, within each)."""
-        ordered = sorted(works, key=lambda w: (not w.high, w.rank))  # stable
+        """The next batch (``max_batch`` rows of a kind and adapter, by rank): interactive first."""
+        low_turn = self._high_run >= OFFLINE_SHARE_EVERY
+        ordered = sorted(works, key=lambda w: (w.high == low_turn, w.rank))  # stable
         first = ordered[0]
         batch = [w for w in ordered if w.kind == first.kind and w.lora == first.lora]
         batch = batch[: self.max_batch]
+        left = first.high and any(not w.high and w not in batch for w in works)
+        self._high_run = self._high_run + 1 if left else 0
         taken = {id(w) for w in batch}
         self._queued = [w for w in self._queued if id(w) not in taken]
         return batch

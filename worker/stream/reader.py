@@ -22,6 +22,7 @@ from shared.aio import wait_event
 from shared.keys import GROUP, Keys
 from shared.redis_conn import TRANSIENT, AnyRedis
 from shared.settings import Settings
+from worker.backends.base import OFFLINE_SHARE_EVERY
 from worker.leases import LeaseKeeper
 from worker.stream.tenants import FairReads, Shares, fair_read, read_tenants
 
@@ -34,9 +35,6 @@ INTERACTIVE_GRACE_S = 0.005
 request as soon as it has an answer (an SMC loop) gets it in ahead of the offline queue."""
 CLUSTER_BLOCK_MS = 20
 """On a cluster, the longest blocking read of one shard while others may receive entries."""
-OFFLINE_SHARE_EVERY = 4
-"""...except after this many interactive steps in a row: then offline work may be read, so a
-busy interactive caller never stops a batch job completely."""
 TENANTS_REFRESH_S = 0.1
 """How often the shards' tenant sets are read while the reader is busy."""
 OFFLINE_LOOK_MS = 10
@@ -120,6 +118,7 @@ class Reader:
         self._last_interactive = -1e9
         self._offline_after = 0.0
         self._held_back = 0
+        self._share_due = False  # offline work's turn: read it first, whatever else waits
         self._named: dict[tuple[Any, ...], tuple[list[str], list[str]]] = {}
         self._drained = False
         """A read of the own streams came back short and no step has ended since: reading them
@@ -185,8 +184,7 @@ class Reader:
             self._held_back += 1
             self._offline_after = time.monotonic() + INTERACTIVE_GRACE_S
         elif interactive:
-            self._offline_after = 0.0
-            self._held_back = 0
+            self._offline_after, self._held_back, self._share_due = 0.0, 0, True
 
     def _offline_count(self, count: int, busy: bool, backlog: bool) -> int:
         """How much offline work to take now: none while other work waits (offline work is
@@ -194,7 +192,7 @@ class Reader:
         while the model is busy and small portions when it is idle."""
         now = time.monotonic()
         recent = now - self._last_interactive < INTERACTIVE_RECENT_S
-        if backlog or (recent and busy) or now < self._offline_after:
+        if not self._share_due and (backlog or (recent and busy) or now < self._offline_after):
             return 0
         return min(count, self.settings.offline_batch) if recent else count
 
@@ -241,6 +239,8 @@ class Reader:
                 # the step's end all the same (one round trip less per step)
                 own = [] if self._drained else mine
                 passes = [(own, count), (stealable, count), (low, offline)]
+                if self._share_due:  # offline work's guaranteed share: a portion of it first
+                    self._share_due, passes = False, [passes[2], *passes[:2]]
             for streams, n in passes:
                 if streams and n:
                     if streams is mine:
@@ -378,30 +378,30 @@ class Reader:
         if any(isinstance(r, TRANSIENT) for r in replies):
             raise next(r for r in replies if isinstance(r, TRANSIENT))
         now_ms = self.now_ms()
-        lagging: list[tuple[str, bytes]] = []
+        lagging: list[tuple[str, bytes, bool]] = []
         out: list[str] = []
         for i, stream in enumerate(streams):
             owned, groups = replies[2 * i], replies[2 * i + 1]
             if isinstance(owned, Exception) or isinstance(groups, Exception):
                 continue  # a stream not created yet, say: nothing to take
             group = next((g for g in groups or [] if _s(g.get("name")) == GROUP), None)
-            if group is None or not group.get("lag"):
+            # nil lag: Redis cannot count it (an entry deleted after a pending one): look
+            if group is None or group.get("lag") == 0:
                 continue
-            if not owned:
+            if group.get("lag") and not owned:
                 out.append(stream)
             else:
-                lagging.append((stream, group["last-delivered-id"]))
-        if lagging:
-            # the oldest undelivered entry of each lagging stream: how long has it waited?
+                lagging.append((stream, group["last-delivered-id"], not owned))
+        if lagging:  # the oldest undelivered entry of each: is there one, how long has it waited?
             pipe = self.redis.pipeline(transaction=False)
-            for stream, last in lagging:
+            for stream, last, _ in lagging:
                 pipe.xrange(stream, min=b"(" + _b(last), max="+", count=1)
             firsts = await pipe.execute(raise_on_error=False)
-            for (stream, _), first in zip(lagging, firsts, strict=True):
+            for (stream, _, free), first in zip(lagging, firsts, strict=True):
                 if isinstance(first, Exception) or not first:
                     continue
                 added_ms = int(_s(first[0][0]).split("-", 1)[0])
-                if now_ms - added_ms >= self.settings.steal_after_ms:
+                if free or now_ms - added_ms >= self.settings.steal_after_ms:
                     out.append(stream)
         return out
 
