@@ -9,9 +9,9 @@ import torch
 
 from shared.errors import InvalidRequest
 from shared.settings import Settings
-from worker.backends.base import draw
 from worker.backends.hf import HFBackend
 from worker.backends.hf.backend import score_passes
+from worker.backends.rows import draw
 
 
 @pytest.fixture(scope="module")

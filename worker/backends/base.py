@@ -18,6 +18,7 @@ import torch
 
 from shared.errors import InvalidRequest, UnknownAdapter
 from shared.registry import ModelDescription
+from worker.backends.rows import draw
 
 log = logging.getLogger("lmpool.worker")
 OFFLINE_SHARE_EVERY = 4  # batches in a row that may leave offline works waiting; then theirs
@@ -383,7 +384,12 @@ class Backend(ABC):
                 continue
             for gen, row in zip(gens, rows, strict=True):
                 p = gen.work.params
-                token = draw(row, float(p["temperature"]), gen.generator)
+                try:
+                    token = draw(row, float(p["temperature"]), gen.generator)
+                except Exception as e:  # this generation's own: its batch mates go on
+                    gen.work.error = e
+                    finished.append(gen.work)
+                    continue
                 if token in p["eos"]:
                     done = True
                 else:
@@ -429,22 +435,3 @@ class Backend(ABC):
         (work,) = self.run([Work("sample", prompt, lora, params)])
         assert work.result is not None
         return [int(t) for t in work.result.tolist()]
-
-
-def with_greedy(rows: torch.Tensor, continuation: list[int]) -> torch.Tensor:
-    """``[n, 2]`` from the ``[n, V]`` log-prob rows of a continuation's positions: each
-    token's log-prob, and 1.0 where it is the row's argmax (``torch.argmax``: the lowest id of
-    a tie), as lm-evaluation-harness's ``is_greedy`` asks."""
-    index = torch.tensor(continuation, device=rows.device)
-    picked = rows.gather(1, index[:, None])[:, 0].float()
-    top = (rows.argmax(dim=-1) == index).float()
-    return torch.stack([picked, top], dim=1).cpu()
-
-
-def draw(logprobs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """One token from ``softmax(logprobs / temperature)`` (genlm-backend's rule); temperature
-    0 takes the most likely token."""
-    if temperature == 0:
-        return int(torch.argmax(logprobs).item())
-    probs = torch.softmax(logprobs.float().cpu() / temperature, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator).item())

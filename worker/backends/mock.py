@@ -19,7 +19,8 @@ import torch
 
 from shared.registry import ModelDescription
 from shared.tokenizer import byte_tokenizer
-from worker.backends.base import Backend, with_greedy
+from worker.backends.base import Backend
+from worker.backends.rows import with_greedy
 
 SHARPNESS_LEVELS = 16
 """Distinct sharpness levels (temperatures 1/0.5 .. 1/1.5) of the mock's rows."""

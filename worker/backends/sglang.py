@@ -21,8 +21,9 @@ import torch
 
 from shared.errors import SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model, with_greedy
+from worker.backends.base import Backend, describe_model
 from worker.backends.model_files import eos_token_ids, model_dir
+from worker.backends.rows import with_greedy
 
 log = logging.getLogger("lmpool.worker")
 INSTALL_HINT = "the sglang backend needs SGLang and genlm-backend: pip install lmpool[sglang]"

@@ -43,6 +43,8 @@ INLINE_STEP_S = 0.001
 """Steps shorter than this (on average) run on the event loop: handing them to the compute
 thread and back costs more (two wake-ups) than they take, and there is no model time to
 overlap Redis I/O with. Model steps, milliseconds long, always run in the thread."""
+FORSAKEN_CHECK_S = 1.0
+"""How often running generations are checked for waiters (one round trip for all of them)."""
 
 
 _thread: ThreadPoolExecutor | None = None
@@ -101,6 +103,7 @@ class Compute:
         self._virtual = 0.0
         """Virtual time: the largest rank of the works finished so far."""
         self._settling: asyncio.Task[None] | None = None
+        self._forsaken_at = 0.0
 
     def stuck_s(self) -> float:
         """How long the step now running has run (0 when none runs)."""
@@ -192,6 +195,7 @@ class Compute:
         else:
             self.ready = [j for j in self.ready if j not in only]
         submit = await self._check_again(self._drop_expired(submit))
+        await self._drop_forsaken_generations()
         if submit:
             self.backend.submit([j.work for j in submit if j.work is not None])
         elif not self.backend.has_work():
@@ -257,6 +261,44 @@ class Compute:
             self.active.pop(job.key, None)
         self.on_finished(settled)
         return [j for j in jobs if j.work is not None]
+
+    async def _drop_forsaken_generations(self) -> None:
+        """Running generations (``sample``) that nobody waits for any more (their askers
+        cancelled) or whose result is in Redis stop between two tokens: checked once a
+        ``FORSAKEN_CHECK_S``, one round trip for all. Before, they ran to their end or their
+        deadline (the default timeout: 120 s), holding a batch slot and a stopping worker."""
+        now = time.monotonic()
+        if now - self._forsaken_at < FORSAKEN_CHECK_S:
+            return
+        self._forsaken_at = now
+        jobs = [
+            j
+            for j in self.active.values()
+            if j.kind == "sample" and j.work is not None and j not in self.ready
+        ]
+        if not jobs:
+            return
+        works = {id(j): j.work for j in jobs}
+        for job in jobs:
+            job.triage = True
+        await self.triage(jobs)  # sets the work of those it settles (skipped, cache_hit) to None
+        gone = {id(j) for j in jobs if j.work is None}
+        if not gone:
+            return
+        async with self.lock:
+            dropped = self.backend.drop_generations(lambda w: id(w.tag) in gone)
+        stopped = {id(w.tag) for w in dropped}
+        settled = []
+        for job in jobs:
+            if id(job) in stopped:
+                works[id(job)].tag = None  # type: ignore[union-attr]
+                self.active.pop(job.key, None)
+                settled.append(job)
+            elif id(job) in gone:  # an engine that keeps its generations (vLLM) runs it on
+                job.work, job.outcome = works[id(job)], "computed"
+        if settled:
+            log.info("%d generation(s) stopped: nobody waits for them", len(settled))
+            self.on_finished(settled)
 
     def _drop_expired(self, jobs: list[Job]) -> list[Job]:
         """Jobs whose deadline passed while they waited for this step are answered

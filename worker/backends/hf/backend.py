@@ -14,11 +14,12 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model, with_greedy
+from worker.backends.base import Backend, describe_model
 from worker.backends.hf import attention
 from worker.backends.hf.kv_cache import KVCache
 from worker.backends.hf.kv_slots import UnsupportedModel
 from worker.backends.model_files import eos_token_ids, model_dir
+from worker.backends.rows import with_greedy
 
 log = logging.getLogger("lmpool.worker")
 
@@ -120,14 +121,20 @@ class HFBackend(Backend):
 
     def logprobs(self, prompts: list[list[int]], lora: str | None) -> torch.Tensor:
         """With ``kv_cache_mb > 0`` only tokens past each prompt's cached prefix run (one trie
-        per adapter); otherwise every prompt runs whole."""
-        self._count(prompts)
+        per adapter); otherwise every prompt runs whole. Rows in the model's dtype."""
+        return self.decode_logprobs(prompts, lora).to(self.dtype)
+
+    def decode_logprobs(self, sequences: list[list[int]], lora: str | None) -> torch.Tensor:
+        """:meth:`logprobs` in float32, as computed (genlm-backend's rows): generations draw
+        from these. Rounded to a 16-bit dtype they would tie distinct tokens (greedy took the
+        lower id, not the model's argmax) and move each draw's probabilities."""
+        self._count(sequences)
         if self.kv_cache is None:
-            logits = self._forward(prompts, lora)[:, -1, :]
+            logits = self._forward(sequences, lora)[:, -1, :]
         else:
             self._select_adapter(lora)
-            logits = self.kv_cache.last_logits(prompts, lora, self.settles_later)
-        return torch.log_softmax(logits.float(), dim=-1).to(self.dtype)
+            logits = self.kv_cache.last_logits(sequences, lora, self.settles_later)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def unsettled(self) -> bool:
         return self.kv_cache is not None and self.kv_cache.unsettled
