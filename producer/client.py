@@ -141,7 +141,7 @@ class PoolClient:
 
     def execute_sync(self, commands: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """:meth:`execute`, blocking, with this thread's client."""
-        pipe = self._sync_state().redis.pipeline(transaction=False)
+        pipe = self._sync_state().bulk.pipeline(transaction=False)
         for method, args in commands:
             getattr(pipe, method)(*args)
         return list(pipe.execute())

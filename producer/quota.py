@@ -27,8 +27,8 @@ from redis.exceptions import NoScriptError
 from producer.background import KEEP
 from producer.submit import Prepared
 from producer.target import Target
-from shared.errors import QuotaExceeded
-from shared.redis_conn import connect_redis_sync
+from shared.errors import QuotaExceeded, RequestTimeout
+from shared.redis_conn import TRANSIENT, Backoff, connect_redis_sync
 from shared.scripts import QUOTA_SCRIPT, run_script
 
 log = logging.getLogger("lmpool.producer")
@@ -113,7 +113,14 @@ class QuotaGate:
             self._asked = loop.create_future()
         a = Admission(self, prepared, timeout_s)
         try:
-            while (delay := a.answer(await _run(redis, self.keys, a.args()))) > 0:
+            while True:
+                try:
+                    reply = await _run(redis, self.keys, a.args())
+                except TRANSIENT as e:  # Redis restarting: asked again within the timeout
+                    await asyncio.sleep(a.unreachable(e))
+                    continue
+                if (delay := a.answer(reply)) <= 0:
+                    break
                 self._learn(a)
                 await asyncio.sleep(delay)
         except QuotaExceeded:
@@ -133,7 +140,14 @@ class QuotaGate:
             return []
         a = Admission(self, prepared, timeout_s)
         try:
-            while (delay := a.answer(_run_sync(redis, self.keys, a.args()))) > 0:
+            while True:
+                try:
+                    reply = _run_sync(redis, self.keys, a.args())
+                except TRANSIENT as e:
+                    time.sleep(a.unreachable(e))
+                    continue
+                if (delay := a.answer(reply)) <= 0:
+                    break
                 self._learn(a)
                 time.sleep(delay)
         except QuotaExceeded:
@@ -166,7 +180,10 @@ class QuotaGate:
     def release_sync(self, redis: Any, leases: list[str]) -> None:
         if leases:
             self.held.difference_update(leases)
-            redis.zrem(self.keys[1], *leases)
+            try:
+                redis.zrem(self.keys[1], *leases)
+            except TRANSIENT as e:  # the call's answer stands
+                log.warning("quota leases not released (%r): they end at their expiry instead", e)
 
     async def release_all(self, redis: Any) -> None:
         """End every lease still held (the producer closes: its calls in flight fail)."""
@@ -196,16 +213,33 @@ class Admission:
         self.started = time.monotonic()
         self.pause = WAIT_FIRST_S
         self.leases: list[str] = []
+        self.lost: Exception | None = None
+        """Why the last try got no answer (Redis unreachable): the next keeps its lease ids."""
+        self.backoff = Backoff()
         self.no_quota = False
         """The last answer: no quota is set for the tenant (nothing asked yet: False)."""
 
     def args(self) -> list[Any]:
         """The next try's arguments, with fresh lease ids."""
         ids = self.gate.ids
-        self.leases = [f"{self.gate.target.client_id}:{next(ids)}" for _ in self.prepared]
+        if self.lost is None or not self.leases:  # a lost answer's leases may have been added
+            self.leases = [f"{self.gate.target.client_id}:{next(ids)}" for _ in self.prepared]
+        self.lost = None
         lease_ms = int(self.timeout_s * 1000) + LEASE_GRACE_MS
         counted = "0" if self.gate.wait else "1"  # a waiting call counts its refusal itself
         return [self.gate.limits, lease_ms, self.tokens, counted, *self.leases]
+
+    def unreachable(self, error: Exception) -> float:
+        """Seconds to wait before asking again, Redis having not answered (``error``); past
+        the call's timeout, ``RequestTimeout`` naming it."""
+        self.lost = error
+        left = self.timeout_s - (time.monotonic() - self.started)
+        if left <= 0:
+            raise RequestTimeout(
+                f"tenant {self.gate.target.tenant!r}'s quota could not be read within "
+                f"{self.timeout_s:g}s: Redis unreachable ({error!r})"
+            )
+        return min(self.backoff.step(), left)
 
     def answer(self, reply: Any) -> float:
         """0 when the call may go (:attr:`leases` hold its leases, ``[]`` if no quota is set);

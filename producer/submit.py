@@ -8,6 +8,7 @@ thread: its own synchronous client and reply list, so it never touches an event 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -15,17 +16,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, OutOfMemoryError
+from redis.retry import Retry as SyncRetry
 
 from producer.target import Target
 from shared import protocol
 from shared.errors import Expired, LMPoolError, QueueFull, RedisFull, RequestTimeout
-from shared.redis_conn import AnyRedis, connect_redis_sync, is_cluster
+from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis_sync, is_cluster
 from shared.scripts import SUBMIT_SCRIPT, execute, run_script, submit_call
 
 LISTEN_BLOCK_S = 1.0
 """Longest blocking pop of replies (also how soon a closed listener notices)."""
 REPLIES_PER_POP = 512
+SYNC_SOCKET_TIMEOUT_S = LISTEN_BLOCK_S + 1.0
+"""The blocking path's socket timeouts (a pop blocks ``LISTEN_BLOCK_S`` at most)."""
+log = logging.getLogger("lmpool.producer")
 OUTCOMES = ("wait", "fetch", "full")
 """What SUBMIT's codes 0, 1, 2 mean for a request: joined, cached, refused (queued: an id)."""
 
@@ -192,7 +198,17 @@ class SyncState:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.redis = connect_redis_sync(target.settings.redis_url)
+        url = target.settings.redis_url
+        self.redis = connect_redis_sync(
+            url,
+            socket_timeout=SYNC_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=SYNC_SOCKET_TIMEOUT_S,
+            retry=SyncRetry(NoBackoff(), 0),  # request_many retries, within the call's timeout
+        )
+        """The requests' client: a Redis that stops answering fails a command within
+        ``SYNC_SOCKET_TIMEOUT_S``, so that a blocking call ends near its own timeout."""
+        self.bulk = connect_redis_sync(url)
+        """For the rest (an adapter's upload may take longer than the requests' timeout)."""
         self.submitter = Submitter(
             target, target.keys.reply(f"{target.client_id}-t{uuid.uuid4().hex[:8]}")
         )
@@ -207,44 +223,69 @@ class SyncState:
             pipe.execute()
 
     def request_many(self, items: list[Prepared], timeout_s: float) -> dict[str, bytes]:
-        c = self.target
+        """Encoded results by digest. Redis unreachable (a restart, a blip), the requests are
+        submitted again once it answers, as on the async path, until their timeout."""
         deadline = time.monotonic() + timeout_s
         wanted = {p.digest: p for p in items}
         results: dict[str, bytes] = {}
-        if len(wanted) == 1 and self.submitter.whole_ok:
-            again = self._submit_whole(items[0], timeout_s, results)
-        else:
-            again = self._submit(list(wanted.values()), timeout_s, results)
-        waiting = set(wanted) - set(results)
+        todo, force = list(wanted.values()), False  # to submit next; force: a re-submission
         sent_at = time.monotonic()
-        while waiting:
+        lost: Exception | None = None  # why Redis did not answer, while it does not
+        backoff = Backoff()
+        while len(results) < len(wanted):
+            waiting = [p for d, p in wanted.items() if d not in results]
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
-                self._leave([wanted[d] for d in waiting])
-                state = c.queue_state_sync(self.redis)
-                raise RequestTimeout(
-                    f"no answer from model {c.model!r} within {timeout_s:g}s ({state})"
-                )
-            if now - sent_at >= c.settings.resend_s:
+                raise self._timed_out(waiting, timeout_s, lost)
+            if not todo and now - sent_at >= self.target.settings.resend_s:
                 # as the async path's housekeeping does: a reply list, waiter set or stream
                 # entry lost (evicted by a full Redis, a failover) is asked for again
-                again = [wanted[d] for d in waiting]
-            if again:  # gone from the cache before it was read (evicted): compute it again
-                again = self._submit(again, left, results, force=True)
-                waiting = set(wanted) - set(results)
-                sent_at = time.monotonic()
+                todo, force = waiting, True
+            try:
+                if todo:  # the first submission, or again (a result gone before it was read)
+                    if len(wanted) == 1 and not force and self.submitter.whole_ok:
+                        todo = self._submit_whole(todo[0], left, results)
+                    else:
+                        todo = self._submit(todo, left, results, force=force)
+                    force, sent_at = True, time.monotonic()
+                else:
+                    todo = self._pop(left, wanted, results)
+            except TRANSIENT as e:
+                if lost is None:
+                    log.warning("blocking call lost Redis (%r); trying again", e)
+                lost = e
+                # once Redis answers: queued again unless still queued (a restart with its data)
+                todo, force = waiting, False
+                time.sleep(min(backoff.step(), max(deadline - time.monotonic(), 0)))
                 continue
-            popped = self.redis.blmpop(
-                min(left, LISTEN_BLOCK_S, max(c.settings.resend_s, 0.01)),
-                1,
-                self.submitter.reply_key,
-                direction="LEFT",
-                count=REPLIES_PER_POP,
-            )
-            again += self._take(popped[1] if popped else [], wanted, results)
-            waiting = set(wanted) - set(results)
+            lost = None
+            backoff.reset()
         return results
+
+    def _pop(
+        self, left: float, wanted: dict[str, Prepared], results: dict[str, bytes]
+    ) -> list[Prepared]:
+        """Wait for replies (at most ``left``, and a re-submission's period); returns the
+        requests to submit again."""
+        popped = self.redis.blmpop(
+            min(left, LISTEN_BLOCK_S, max(self.target.settings.resend_s, 0.01)),
+            1,
+            self.submitter.reply_key,
+            direction="LEFT",
+            count=REPLIES_PER_POP,
+        )
+        return self._take(popped[1] if popped else [], wanted, results)
+
+    def _timed_out(
+        self, waiting: list[Prepared], timeout_s: float, lost: Exception | None
+    ) -> RequestTimeout:
+        c = self.target
+        said = f"no answer from model {c.model!r} within {timeout_s:g}s"
+        if lost is not None:  # no round trip more to a Redis that does not answer
+            return RequestTimeout(f"{said} (Redis unreachable: {lost!r})")
+        self._leave(waiting)
+        return RequestTimeout(f"{said} ({c.queue_state_sync(self.redis)})")
 
     def _take(
         self, replies: list[bytes], wanted: dict[str, Prepared], results: dict[str, bytes]
@@ -345,3 +386,4 @@ class SyncState:
             self.redis.delete(self.submitter.reply_key)
         finally:
             self.redis.close()
+            self.bulk.close()

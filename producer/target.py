@@ -7,6 +7,7 @@ one way: client -> loop -> submit -> target.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,10 @@ from typing import Any
 from shared.keys import GROUP, Keys
 from shared.redis_conn import AnyRedis
 from shared.settings import Settings
+
+QUEUE_STATE_S = 1.0
+"""Longest wait for the queue state of a ``RequestTimeout``'s message: a Redis that does not
+answer (frozen, or a host gone without a reset) must not hold the caller past its timeout."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,10 @@ class Target:
         try:
             pipe = redis.pipeline(transaction=False)
             self._ask_queue_state(pipe)
-            return self._queue_state_line(await pipe.execute(raise_on_error=False))
+            answers = await asyncio.wait_for(pipe.execute(raise_on_error=False), QUEUE_STATE_S)
+            return self._queue_state_line(answers)
+        except asyncio.TimeoutError:
+            return f"queue state unavailable: Redis did not answer within {QUEUE_STATE_S:g}s"
         except Exception as e:
             return f"queue state unavailable: {e!r}"
 
