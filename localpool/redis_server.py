@@ -75,6 +75,8 @@ class RedisServer:
         maxmemory_mb: int = 0,
         maxmemory_policy: str = "noeviction",
         tls: bool = False,
+        tls_host: str = "127.0.0.1",
+        tls_clients: bool = False,
         unix_socket: bool = False,
         binary: str | None = None,
         loading_delay_us: int = 0,
@@ -89,6 +91,10 @@ class RedisServer:
         self.maxmemory_mb = maxmemory_mb
         self.maxmemory_policy = maxmemory_policy
         self.tls = tls
+        self.tls_host = tls_host
+        """The name its certificate is for (an IP address or a DNS name)."""
+        self.tls_clients = tls_clients
+        """Clients must show a certificate of its CA (its own: ``client_url`` shows it)."""
         self.unix_socket = unix_socket
         """Also listen on a unix socket (``unix_url``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="lmpool-redis-"))
@@ -115,16 +121,21 @@ class RedisServer:
 
     def _url(self, auth: str) -> str:
         if self.tls:
-            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.dir / 'cert.pem'}"
+            url = f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.dir / 'cert.pem'}"
+            if self.tls_clients:  # its own certificate serves as the client's
+                url += f"&ssl_certfile={self.dir / 'cert.pem'}&ssl_keyfile={self.dir / 'key.pem'}"
+            return url
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def _make_certificate(self) -> None:
-        """A self-signed certificate for 127.0.0.1 (needs the ``openssl`` command)."""
+        """A self-signed certificate for ``tls_host`` (needs the ``openssl`` command)."""
+        kind = "IP" if self.tls_host.replace(".", "").isdigit() else "DNS"
+        name = f"{kind}:{self.tls_host}"
         subprocess.run(
             [
                 "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
                 "-keyout", str(self.dir / "key.pem"), "-out", str(self.dir / "cert.pem"),
-                "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                "-subj", f"/CN={self.tls_host}", "-addext", f"subjectAltName={name}",
             ],
             check=True,
             capture_output=True,
@@ -149,7 +160,7 @@ class RedisServer:
                 "--tls-cert-file", str(self.dir / "cert.pem"),
                 "--tls-key-file", str(self.dir / "key.pem"),
                 "--tls-ca-cert-file", str(self.dir / "cert.pem"),
-                "--tls-auth-clients", "no",
+                "--tls-auth-clients", "yes" if self.tls_clients else "no",
             ]  # fmt: skip
         if self.unix_socket:
             args += ["--unixsocket", str(self.unix_path), "--unixsocketperm", "700"]
@@ -195,7 +206,9 @@ class RedisServer:
                 s = raw
                 if self.tls:
                     ctx = ssl.create_default_context(cafile=str(self.dir / "cert.pem"))
-                    s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+                    if self.tls_clients:
+                        ctx.load_cert_chain(self.dir / "cert.pem", self.dir / "key.pem")
+                    s = ctx.wrap_socket(raw, server_hostname=self.tls_host)
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 return reply.startswith((b"+PONG", b"-NOAUTH"))

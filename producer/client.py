@@ -39,7 +39,8 @@ class PoolClient:
             settings,
             model,
             priority,
-            uuid.uuid4().hex,
+            # a tenant's reply lists carry its name: its ACL user may write only those
+            f"{settings.tenant}:{uuid.uuid4().hex}" if settings.tenant else uuid.uuid4().hex,
             tenant=settings.tenant,
             clock_offset_ms=clock_offset_ms,
         )

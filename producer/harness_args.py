@@ -13,7 +13,7 @@ from typing import Any
 
 from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import Keys
-from shared.redis_conn import masked_url
+from shared.redis_conn import check_url, masked_url, tls_options
 from shared.settings import Settings
 
 DEFAULT_CONCURRENCY = 256
@@ -119,9 +119,10 @@ def preflight(args: HarnessArgs) -> None:
     where = masked_url(args.redis_url)
     try:
         probe = redis.Redis.from_url(
-            args.redis_url,
+            check_url(args.redis_url),
             socket_connect_timeout=PREFLIGHT_TIMEOUT_S,
             socket_timeout=PREFLIGHT_TIMEOUT_S,
+            **tls_options(args.redis_url),
         )
     except ValueError as e:
         raise SettingsError(f"lmpool model_args redis_url={where!r}: {e}") from None

@@ -43,9 +43,10 @@ given by a selector of their own, so that no other key (results, metadata) can b
 
 TENANT_WRITES = (
     "{*}:stats", "{*}:due", "{*}:res:*", "{*}:wait:*", "{*}:tenants",  # SUBMIT, results
-    "reply:*", "lora:*", "lorafile:*",  # replies, run-time adapters
+    "lora:*", "lorafile:*",  # run-time adapters
 )  # fmt: skip
-"""Keys a tenant's producer writes besides its own streams (``shared.keys``)."""
+"""Keys a tenant's producer writes besides its own streams, quota and reply lists
+(``shared.keys``)."""
 
 
 def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool = False) -> str:
@@ -55,7 +56,9 @@ def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool
     ``tenant``: the user is a tenant of a shared pool (``LMPOOL_TENANT``: a producer's tenant is
     its ACL user). It reads the whole prefix but writes requests only into its own streams
     (``P:{M:S}:high:USER``, ``P:{M:S}:low:USER``), so it cannot pass its requests off as
-    another tenant's: Redis refuses them (NOPERM), inside the SUBMIT script too."""
+    another tenant's: Redis refuses them (NOPERM), inside the SUBMIT script too; and it pushes
+    only onto its own reply lists (``P:reply:USER:*``), so it cannot answer another tenant's
+    requests."""
     commands = " ".join(f"+{c}" for c in PRODUCER_COMMANDS)
     keys = f"~{prefix}:*"
     if tenant:
@@ -63,6 +66,7 @@ def producer_rule(user: str, password: str, prefix: str = "lmpool", tenant: bool
             f"{{*}}:high:{user}",
             f"{{*}}:low:{user}",
             f"quota:{{{user}}}:*",  # its quota's use, leases and bucket, not its limits
+            f"reply:{user}:*",  # its own reply lists: no answer of its own in another's
             *TENANT_WRITES,
         ]
         keys = f"%R~{prefix}:* " + " ".join(f"~{prefix}:{pattern}" for pattern in own)

@@ -57,7 +57,15 @@ _CLUSTER: dict[str, bool] = {}
 
 def masked_url(url: str) -> str:
     """``url`` with its password shown as ``***`` (in the user part and a ``password=``
-    query parameter): what log lines and error messages may print."""
+    query parameter): what log lines and error messages may print. A password holding a
+    character that ends a URL's host part (``/``, ``?``, ``#``: not percent-encoded) is masked
+    too, with all else before the last ``@``."""
+    if _raw_credentials(url):
+        scheme, _, rest = url.partition("://")
+        auth, _, host = rest.rpartition("@")
+        user = auth.partition(":")[0]
+        bare = f"{scheme}://{'' if any(c in user for c in '/?#') else user}:***@{host}"
+        return bare if _raw_credentials(bare) else masked_url(bare)
     parts = urlsplit(url)
     netloc, query = parts.netloc, parts.query
     if parts.password is not None:
@@ -69,6 +77,62 @@ def masked_url(url: str) -> str:
     if (netloc, query) == (parts.netloc, parts.query):
         return url
     return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def _raw_credentials(url: str) -> bool:
+    """Whether ``url``'s user part holds a ``/``, ``?`` or ``#`` (a password not
+    percent-encoded): URL parsers then take part of it for the host, port, path or query. An
+    ``@`` may stand elsewhere only in a query's value (a file's path), or a unix socket's path."""
+    parts = urlsplit(url)
+    if "://" not in url or "@" in parts.netloc or "@" not in url:
+        return False
+    if parts.scheme == "unix":
+        return bool(parts.netloc)
+    if "@" in parts.path or "@" in parts.fragment:
+        return True
+    return any("@" in pair.partition("=")[0] for pair in parts.query.split("&"))
+
+
+def check_url(url: str) -> str:
+    """``url``, or ``ValueError`` (not naming the password) where its password is not
+    percent-encoded: redis-py would read part of it as the port or the path, and say so in
+    its error, the password in the message."""
+    if _raw_credentials(url):
+        raise ValueError(
+            "its password holds '/', '?' or '#': percent-encode it "
+            "(urllib.parse.quote(password, safe=''))"
+        )
+    return url
+
+
+def tls_options(url: str) -> dict[str, Any]:
+    """Options a ``rediss://`` URL gets unless its query says otherwise: the server's
+    certificate must name the URL's host (redis-py 5 checks only that a trusted CA signed it,
+    and any certificate of that CA, a public one for any name, would pass)."""
+    query = dict(parse_qsl(urlsplit(url).query))
+    if not url.startswith("rediss://") or query.get("ssl_cert_reqs", "").lower() == "none":
+        return {}
+    return {"ssl_check_hostname": True}
+
+
+_FALSE = ("", "0", "F", "FALSE", "N", "NO")
+"""What redis-py reads as false in a URL's boolean option."""
+
+
+def arq_redis_settings(url: str) -> Any:
+    """arq's ``RedisSettings`` for ``url``, with the TLS options of its query that arq's
+    ``from_dsn`` drops (CA file, client certificate and key, verification) and the host name
+    check of :func:`tls_options`."""
+    from arq.connections import RedisSettings
+
+    settings = RedisSettings.from_dsn(check_url(url))
+    for name, value in {**tls_options(url), **dict(parse_qsl(urlsplit(url).query))}.items():
+        if name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+            setattr(settings, name, value)
+        elif name == "ssl_check_hostname":
+            # as redis-py reads it from a URL: anything but these is true
+            settings.ssl_check_hostname = str(value).upper() not in _FALSE
+    return settings
 
 
 @contextmanager
@@ -88,7 +152,9 @@ def reaching(url: str) -> Iterator[None]:
 def is_cluster(url: str) -> bool:
     """Whether ``url`` names a node of a Redis Cluster (asked once, then remembered)."""
     if url not in _CLUSTER:
-        probe = sync_redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        probe = sync_redis.Redis.from_url(
+            check_url(url), socket_connect_timeout=5, socket_timeout=5, **tls_options(url)
+        )
         try:
             info: Any = probe.info("cluster")
             _CLUSTER[url] = bool(int(info.get("cluster_enabled", 0)))
@@ -100,7 +166,9 @@ def is_cluster(url: str) -> bool:
 async def is_cluster_async(url: str) -> bool:
     """:func:`is_cluster` without blocking the event loop on the first ask."""
     if url not in _CLUSTER:
-        probe = Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        probe = Redis.from_url(
+            check_url(url), socket_connect_timeout=5, socket_timeout=5, **tls_options(url)
+        )
         try:
             info: Any = await probe.info("cluster")
             _CLUSTER[url] = bool(int(info.get("cluster_enabled", 0)))
@@ -220,6 +288,7 @@ def _socket_options(url: str) -> dict[str, Any]:
     """Connection options both clients share; TCP keepalive where the URL is TCP (redis-py's
     unix socket connection refuses the option)."""
     options: dict[str, Any] = {"health_check_interval": 30, "socket_connect_timeout": 5}
+    options.update(tls_options(url))
     if not url.startswith("unix://"):
         options["socket_keepalive"] = True
     return options

@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 
 from shared.errors import SettingsError
 from shared.keys import check_tenant
+from shared.redis_conn import check_url, masked_url
 
 ENV_PREFIX = "LMPOOL_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -196,6 +197,10 @@ class Settings:
                 or (name != "redis_url" and not url),
                 f"LMPOOL_{name.upper()} must start with redis://, rediss:// or unix://",
             )
+            try:
+                check_url(url)
+            except ValueError as e:  # masked: the message never holds the password
+                raise SettingsError(f"LMPOOL_{name.upper()}={masked_url(url)}: {e}") from None
         for name in (
             "max_batch", "max_in_flight", "max_queue", "max_deliveries", "shards",
             "affinity_tokens", "offline_batch",

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlparse
 
 from arq.connections import RedisSettings
 from redis.asyncio.retry import Retry
@@ -27,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared import heap
 from shared.errors import SettingsError
 from shared.keys import Keys
-from shared.redis_conn import is_cluster, is_cluster_async, masked_url
+from shared.redis_conn import arq_redis_settings, is_cluster, is_cluster_async, masked_url
 from shared.settings import Settings
 from worker.jobs import pack_job, score_file, unpack_job
 from worker.logs import setup_logging
@@ -255,12 +254,7 @@ class ServingRetry(Retry):
 def redis_settings(url: str) -> RedisSettings:
     """arq's connection settings: short outages retried at start-up, any outage once serving
     (``ServingRetry``)."""
-    settings = RedisSettings.from_dsn(url)
-    query = parse_qs(urlparse(url).query)
-    if "ssl_ca_certs" in query:  # rediss://...?ssl_ca_certs=/path/ca.pem, as redis-py reads it
-        settings.ssl_ca_certs = query["ssl_ca_certs"][0]
-    if "ssl_cert_reqs" in query:
-        settings.ssl_cert_reqs = query["ssl_cert_reqs"][0]
+    settings: RedisSettings = arq_redis_settings(url)  # TLS options as redis-py reads them
     settings.retry_on_error = [RedisConnectionError, RedisTimeoutError]
     settings.retry = ServingRetry(retries=12)
     return settings

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from shared import registry
 from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import GROUP, Keys
-from shared.redis_conn import AnyRedis, connect_redis, masked_url, reaching
+from shared.redis_conn import AnyRedis, check_url, connect_redis, masked_url, reaching
 from shared.settings import Settings
 from worker.quota import read_quotas
 from worker.quota import render as render_quotas
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch < 0:
         parser.error(f"--watch {args.watch:g}: seconds between refreshes, 0 (print once) or more")
     try:
-        cast(Any, parse_url)(args.redis_url)  # redis-py's own parse (unannotated)
+        cast(Any, parse_url)(check_url(args.redis_url))  # redis-py's own parse (unannotated)
     except ValueError as e:  # not a Redis URL: a bad argument (or setting), in one line
         print(f"lmpool-status: --redis-url {masked_url(args.redis_url)}: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 from arq import create_pool
-from arq.connections import RedisSettings
 
 from producer.remote_lm import RemoteLM
 from producer.scoring.files import errors_path
@@ -34,7 +33,7 @@ from producer.scoring.options import (
 from producer.scoring.run import ScoreStats, score_jsonl
 from shared.errors import LMPoolError
 from shared.keys import Keys
-from shared.redis_conn import connect_redis
+from shared.redis_conn import arq_redis_settings, connect_redis
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -237,7 +236,7 @@ async def enqueue_score_file(
     settings = Settings.from_env(redis_url=redis_url, key_prefix=key_prefix)
     queue = Keys(settings.key_prefix).arq_queue
     pool = await create_pool(
-        RedisSettings.from_dsn(settings.redis_url),
+        arq_redis_settings(settings.redis_url),  # TLS options as redis-py reads them
         job_serializer=pack_job,
         job_deserializer=unpack_job,
         default_queue_name=queue,
