@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -236,3 +239,27 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 """Environment of a process that must not reach a model hub (lm-eval's tests)."""
+
+
+@contextlib.contextmanager
+def not_redis() -> Iterator[int]:
+    """A loopback port that answers like an HTTP server (a metrics port, say), not Redis."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield int(server.getsockname()[1])
+    finally:
+        server.close()

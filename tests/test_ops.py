@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import pytest
 import redis
+from poolkit import not_redis
 
 from localpool.redis_server import free_port
 from producer import RemoteLM
@@ -236,39 +237,12 @@ async def test_offline_work_does_not_starve_interactive_requests(
     assert waited < 1.0, waited
 
 
-@contextlib.contextmanager
-def _not_redis() -> Any:
-    """A loopback port that answers like an HTTP server (a metrics port, say), not Redis."""
-    import socket
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(1024)
-                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        server.close()
-
-
 def test_status_with_a_wrong_url_says_so_in_one_line(redis_url: str) -> None:
     """A URL that is no Redis URL (exit 2), a database the server does not have, a port where
     no Redis answers but something else does (exit 1): one line naming the URL, never a
     traceback (they were tracebacks through redis-py)."""
     base = redis_url.rsplit("/", 1)[0]
-    with _not_redis() as port:
+    with not_redis() as port:
         cases = [
             ("http://127.0.0.1:6379/0", 2, "--redis-url"),
             (f"{base}/999", 1, "DB index is out of range"),

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from poolkit import not_redis
 
 from shared.errors import SettingsError
 from shared.settings import DEFAULT_MODEL_NAME, Settings
@@ -232,46 +233,30 @@ def test_a_redis_url_naming_no_usable_redis_stops_the_worker_with_one_line(
     that is not Redis (an HTTP server): exit status 2, one line naming the URL, no traceback
     (both were tracebacks through arq and redis-py, exit status 1). The pool's Redis behind a
     good LMPOOL_ARQ_REDIS_URL too."""
-    import socket
-    import threading
-
-    http = socket.socket()
-    http.bind(("127.0.0.1", 0))
-    http.listen()
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = http.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(1024)
-                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
-
-    threading.Thread(target=serve, daemon=True).start()
     no_db = redis_url.rsplit("/", 1)[0] + "/999"
-    not_redis = f"redis://127.0.0.1:{http.getsockname()[1]}/0"
-    cases = [
-        ({"LMPOOL_REDIS_URL": no_db}, f"LMPOOL_REDIS_URL={no_db}: ", "DB index is out of range"),
-        ({"LMPOOL_REDIS_URL": not_redis}, f"LMPOOL_REDIS_URL={not_redis}: ", "Protocol error"),
-        (
-            {"LMPOOL_REDIS_URL": no_db, "LMPOOL_ARQ_REDIS_URL": redis_url},
-            f"LMPOOL_REDIS_URL={no_db}: ",
-            "DB index is out of range",
-        ),
-        (
-            {"LMPOOL_REDIS_URL": redis_url, "LMPOOL_ARQ_REDIS_URL": no_db},
-            f"LMPOOL_ARQ_REDIS_URL={no_db}: ",
-            "DB index is out of range",
-        ),
-    ]
-    try:
+    with not_redis() as port:
+        not_url = f"redis://127.0.0.1:{port}/0"
+        cases = [
+            (
+                {"LMPOOL_REDIS_URL": no_db},
+                f"LMPOOL_REDIS_URL={no_db}: ",
+                "DB index is out of range",
+            ),
+            ({"LMPOOL_REDIS_URL": not_url}, f"LMPOOL_REDIS_URL={not_url}: ", "Protocol error"),
+            (
+                {"LMPOOL_REDIS_URL": no_db, "LMPOOL_ARQ_REDIS_URL": redis_url},
+                f"LMPOOL_REDIS_URL={no_db}: ",
+                "DB index is out of range",
+            ),
+            (
+                {"LMPOOL_REDIS_URL": redis_url, "LMPOOL_ARQ_REDIS_URL": no_db},
+                f"LMPOOL_ARQ_REDIS_URL={no_db}: ",
+                "DB index is out of range",
+            ),
+        ]
         for env, names, says in cases:
             res = _start_worker(LMPOOL_BACKEND="mock", **env)
             assert res.returncode == 2, (env, res.stderr[-3000:])
             assert "Traceback" not in res.stderr, res.stderr[-3000:]
             [line] = [x for x in res.stderr.splitlines() if names in x]
             assert says in line, line
-    finally:
-        http.close()
