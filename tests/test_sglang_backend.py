@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from shared.errors import SettingsError
+from shared.errors import InvalidRequest, SettingsError
 from shared.settings import Settings
 from worker.backends import load_backend
 from worker.backends.hf import HFBackend
@@ -89,6 +89,28 @@ def test_sample_is_the_seeded_rule_and_close_frees_the_engine(backend: Any, hf: 
     assert b.sample([1, 2], 5, [319], 1.0, 3, None) == hf.sample([1, 2], 5, [319], 1.0, 3, None)
     b.close()
     assert engine.cleaned
+
+
+def test_prompts_sglang_would_refuse_are_refused_first(tiny_llama: Path, hf: HFBackend) -> None:
+    """SGLang's scheduler refuses a prompt of ``max_req_input_len`` tokens or more, and its
+    refusal reaches genlm-backend's driver as the row after the one token 0 (the request is
+    aborted, not failed): the worker publishes and checks the scheduler's limit instead of the
+    model's ``max_position_embeddings`` (512 here), and the context of LMPOOL_MAX_MODEL_LEN."""
+
+    def factory(path: Path, settings: Settings) -> Any:
+        engine = EngineStandIn(hf)
+        engine.model.model_config.context_len = 256  # SGLang's context_length, from the setting
+        engine.model.max_req_input_len = 250
+        return engine
+
+    b = SGLangBackend(
+        Settings(model=str(tiny_llama), device="cuda", max_model_len=256), engine_factory=factory
+    )
+    assert b.info["max_length"] == 256
+    assert b.prompt_limit(0) == 249 and b.prompt_limit(10) == 10
+    b.check_prompt(249, None, 0)
+    with pytest.raises(InvalidRequest, match="exceeds the limit of 249"):
+        b.check_prompt(250, None, 0)
 
 
 def test_unsupported_settings_fail_at_start_up(tiny_llama: Path) -> None:
@@ -244,6 +266,26 @@ def test_sglang_scores_and_samples(sglang: Any, cpu_reference: Any) -> None:
     assert float((got - want).abs().max()) <= GPU_TOLERANCE
     first = sglang.sample(prompt, 6, [319], 1.0, 5, None)
     assert sglang.sample(prompt, 6, [319], 1.0, 5, None) == first and 0 < len(first) <= 6
+
+
+@pytest.mark.gpu
+def test_sglang_reads_the_longest_prompt_it_publishes(
+    sglang: Any, cpu_reference: Any, record_property: Callable[[str, Any], None]
+) -> None:
+    """The limit comes from SGLang's scheduler (``max_req_input_len`` less one: 505 for this
+    512-position model) and a prompt that long is read whole. One token more, asked of the
+    engine directly, is what the worker now refuses: its row (SGLang aborts the request and
+    runs the one token 0 in its place) is recorded, not held to anything."""
+    limit = sglang.prompt_limit(0)
+    assert limit == sglang.engine.model.max_req_input_len - 1 < sglang.info["max_length"] == 512
+    ids = [1 + i % 300 for i in range(limit + 1)]
+    diff = worst(sglang.logprobs([ids[:limit]], None), cpu_reference, [ids[:limit]])
+    assert diff <= GPU_TOLERANCE, diff
+    try:
+        over = worst(sglang.engine.batch_next_token_logprobs_sync([ids]), cpu_reference, [ids])
+        record_property("max_abs_diff_one_token_over_the_limit", over)
+    except Exception as e:  # what SGLang does there is recorded, whatever it is
+        record_property("one_token_over_the_limit", f"{type(e).__name__}: {e}"[:200])
 
 
 @pytest.mark.gpu

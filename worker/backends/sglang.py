@@ -90,19 +90,38 @@ class SGLangBackend(Backend):
         self.engine = engine_factory(path, settings)
         self.tokenizer = self.engine.tokenizer
         probe = self.engine.batch_next_token_logprobs_sync([[self._probe_token()]])
-        config = _model_config(self.engine)
+        config = _engine_attr(self.engine, "model.model_config.hf_config", _OLD_CONFIG)
+        context = _engine_attr(self.engine, "model.model_config.context_len")
         self.info = describe_model(
             model_setting=settings.model,
             source=source,
             tokenizer=self.tokenizer,
             dtype=probe.dtype,
             vocab_size=int(probe.shape[-1]),
-            max_length=int(getattr(config, "max_position_embeddings", 0) or 1 << 15),
+            max_length=int(context or getattr(config, "max_position_embeddings", 0) or 1 << 15),
             eos_token_ids=eos_token_ids(path, config, self.tokenizer),
             device=settings.device if settings.device != "auto" else "cuda",
             adapters=[],
         )
-        log.info("loaded %s with SGLang (vocab %d)", source, self.info["vocab_size"])
+        # SGLang's scheduler refuses a prompt of ``max_req_input_len`` tokens or more
+        # (``validate_input_length``: ``len(req.origin_input_ids) >= max_req_input_len``; that
+        # is its context less 6, or its KV pool's size less 6), and the refusal does not come
+        # back as an error: ``set_finish_with_abort`` runs the request as the one token 0, and
+        # genlm-backend's driver hands out that row. So the worker refuses such prompts first.
+        limit = _engine_attr(self.engine, "model.max_req_input_len")
+        own = self.info["max_length"]
+        self._input_limit = min(own, int(limit) - 1) if isinstance(limit, int) else own
+        log.info(
+            "loaded %s with SGLang (vocab %d, prompts up to %d tokens)",
+            source,
+            self.info["vocab_size"],
+            self._input_limit,
+        )
+
+    def prompt_limit(self, max_prompt_tokens: int) -> int:
+        """The longest prompt SGLang's scheduler reads whole (see ``__init__``), or less when
+        the setting says so."""
+        return min(max_prompt_tokens or self._input_limit, self._input_limit)
 
     def _probe_token(self) -> int:
         bos = self.tokenizer.bos_token_id
@@ -131,9 +150,13 @@ class SGLangBackend(Backend):
             torch.cuda.empty_cache()
 
 
-def _model_config(engine: Any) -> Any:
-    """The HF config of the served model, wherever this SGLang version keeps it."""
-    for path in ("model.model_config.hf_config", "model.tp_worker.model_config.hf_config"):
+_OLD_CONFIG = "model.tp_worker.model_config.hf_config"  # the other place SGLangs kept it
+
+
+def _engine_attr(engine: Any, *paths: str) -> Any:
+    """The first of ``paths`` (dotted attributes of the engine) that is there, else None:
+    where this SGLang version keeps what the backend reads of its scheduler."""
+    for path in paths:
         obj = engine
         for part in path.split("."):
             obj = getattr(obj, part, None)
