@@ -209,3 +209,27 @@ async def test_tenants_under_the_acl_rules_add_use_and_remove_adapters(
                 await lm.remove_lora(f"mine-{user}")
             assert (static - reference(tiny_llama, a, ids)).abs().max() <= 1e-5
             assert (mine - reference(tiny_llama, a, ids)).abs().max() <= 1e-5
+
+
+@pytest.mark.asyncio
+async def test_a_start_up_adapters_name_with_other_weights_is_another_adapter(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """LMPOOL_LORA names an adapter; its weights decide its rows. A worker restarted with other
+    weights under the same adapter name (a retrained adapter) never answers from the old
+    weights' cached rows, and a worker whose adapter of that name differs from a live worker's
+    is refused at start-up."""
+    a = build_adapter(tiny_llama, tmp_path / "a", 1)
+    b = build_adapter(tiny_llama, tmp_path / "b", 2)
+    ids = [5, 6, 7, 8]
+    first = workers(redis_url, model=str(tiny_llama), lora=f"style={a}")
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        old = await lm.next_token_logprobs(ids, lora_name="style")
+    assert (old - reference(tiny_llama, a, ids)).abs().max() <= 1e-5
+    assert first.terminate() == 0
+    workers(redis_url, model=str(tiny_llama), lora=f"style={b}")
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        row = await lm.next_token_logprobs(ids, lora_name="style")
+    assert (row - reference(tiny_llama, b, ids)).abs().max() <= 1e-5
+    with pytest.raises(RuntimeError, match="fingerprint"):
+        workers(redis_url, model=str(tiny_llama), lora=f"style={a}")

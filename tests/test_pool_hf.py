@@ -167,3 +167,57 @@ async def test_a_bfloat16_models_rows_go_in_half_the_bytes_and_arrive_as_compute
     r.close()
     assert len(sizes) == len(prompts)
     assert all(2 * 320 < n < 2 * 320 + 64 for n in sizes), sizes  # float32 would be 1280+
+
+
+@pytest.mark.asyncio
+async def test_a_float32_workers_rows_are_exact_after_a_float16_wire_served_the_name(
+    redis_url: str, workers: Callable[..., Any], tiny_llama: Path
+) -> None:
+    """LMPOOL_WIRE_DTYPE=float16 rounds a float32 model's rows: those are other answers than
+    the exact float32 ones, so they are other cache entries. A worker restarted with the
+    default (exact) wire dtype while the rounded rows are still in Redis computes its own, and
+    a float16-wire worker beside a live float32-wire one of the same name is refused."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompt = [1, 2, 3, 4]
+    first = workers(redis_url, model=str(tiny_llama), wire_dtype="float16", kv_cache_mb=0)
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        rounded = await lm.next_token_logprobs(prompt)
+    assert torch.equal(rounded, rounded.half().float())
+    assert first.terminate() == 0
+    workers(redis_url, model=str(tiny_llama), kv_cache_mb=0)  # float32 on the wire: exact
+    async with await RemoteLM.connect(redis_url, model=str(tiny_llama)) as lm:
+        assert lm.meta["wire_dtype"] == "float32"
+        row = await lm.next_token_logprobs(prompt)
+    assert (row - reference_logprobs(model, prompt)).abs().max().item() <= 1e-5
+    assert not torch.equal(row, rounded)
+    with pytest.raises(RuntimeError, match="fingerprint"):
+        workers(redis_url, model=str(tiny_llama), wire_dtype="float16", kv_cache_mb=0)
+
+
+@pytest.mark.asyncio
+async def test_weights_changed_inside_a_file_are_another_model(
+    redis_url: str, workers: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A checkpoint updated in place (a fine-tune that changed one layer; same shapes, same
+    file sizes, same first and last MiB) is another model: a worker restarted on it under the
+    same name never serves the old weights' rows from the shared cache."""
+    from poolkit import build_tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
+    path = build_tiny_llama(tmp_path / "model", seed=3, **shape)
+    prompt = [1, 2, 3, 4]
+    first = workers(redis_url, model=str(path), model_name="m", kv_cache_mb=0)
+    async with await RemoteLM.connect(redis_url, model="m") as lm:
+        old = await lm.next_token_logprobs(prompt)
+    assert first.terminate() == 0
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] *= 3  # a middle layer, far from either end
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    updated = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expect = reference_logprobs(updated, prompt)
+    assert (expect - old).abs().max().item() > 1e-3  # the update changes the answer
+    workers(redis_url, model=str(path), model_name="m", kv_cache_mb=0)
+    async with await RemoteLM.connect(redis_url, model="m") as lm:
+        row = await lm.next_token_logprobs(prompt)
+    assert (row - expect).abs().max().item() <= 1e-5

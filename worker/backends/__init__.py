@@ -26,7 +26,53 @@ def choose_backend(settings: Settings) -> str:
 def load_backend(settings: Settings) -> Backend:
     """The configured backend. An engine that is not installed raises ``ImportError`` with
     the extra to install; transformers asked for a CUDA device torch does not see is a setting
-    error, found before any weights load (the engines check their devices themselves)."""
+    error, found before any weights load (the engines check their devices themselves).
+
+    Its fingerprint covers the files of the ``LMPOOL_LORA`` adapters (requests name them by
+    name: other weights under a name are other answers) and names ``LMPOOL_WIRE_DTYPE`` where
+    that rounds the rows the model computes (a float32 model's, in float16): other answers,
+    so other cache entries, and a worker that differs is refused beside a live one under one
+    model name."""
+    backend = _build(settings)
+    info = backend.info
+    adapters = settings.lora_adapters()
+    if adapters:
+        info["fingerprint"] = f"{info['fingerprint']}-lora{adapters_fingerprint(adapters)}"
+    if wire_rounds(info["dtype"], settings.wire_dtype):
+        info["fingerprint"] = f"{info['fingerprint']}-wire{settings.wire_dtype}"
+    return backend
+
+
+def adapters_fingerprint(adapters: dict[str, str]) -> str:
+    """Identity of start-up adapters: each name with its files' fingerprint (its path as given
+    where no local files are found)."""
+    import hashlib
+    from pathlib import Path
+
+    from worker.backends.model_files import files_fingerprint
+
+    h = hashlib.blake2b(digest_size=8)
+    for name, path in sorted(adapters.items()):
+        local = Path(path).expanduser()
+        content = files_fingerprint(local) if local.exists() else f"path:{path}"
+        h.update(f"{name}\x00{content}\x00".encode())
+    return h.hexdigest()
+
+
+def wire_rounds(dtype: str, wire: str) -> bool:
+    """Whether rows computed in ``dtype`` are rounded on their way in ``wire`` (see
+    ``shared.protocol.sent_dtype``)."""
+    from shared.codec import torch_dtype
+    from shared.errors import ProtocolError
+    from shared.protocol import sent_dtype
+
+    try:
+        return sent_dtype(torch_dtype(dtype), torch_dtype(wire)) is not None
+    except ProtocolError:  # a dtype the wire has no name for: rounded unless float32
+        return wire != "float32"
+
+
+def _build(settings: Settings) -> Backend:
     name = choose_backend(settings)
     if name == "hf" and settings.device.startswith("cuda"):
         import torch

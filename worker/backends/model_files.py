@@ -9,6 +9,7 @@ starts load it in about a second.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmpool.worker")
 SAMPLE_BYTES = 1 << 20
+WINDOW_BYTES = 4096
+SPREAD_WINDOWS = 256
+"""Windows of ``WINDOW_BYTES`` hashed inside a weight file of a format other than safetensors."""
 
 
 def default_model_path() -> Path:
@@ -80,8 +84,11 @@ def eos_token_ids(path: Path, config: Any, tokenizer: Any) -> list[int]:
 def files_fingerprint(path: Path) -> str:
     """Identity of model weights that is cheap for multi-GB files and stable across hosts.
 
-    Hashes each weight file's name, size, first and last MiB: two different checkpoints
-    practically never agree on all of them, and no file is read whole.
+    Hashes each weight file's name, size, first and last MiB, and windows of 4 KiB inside:
+    three in every tensor of a safetensors file (its first, middle and last bytes), 256 spread
+    evenly over a file of another format. A checkpoint updated in place (a fine-tune of some
+    layers: same shapes, same sizes, the same first and last MiB) is then another model, and
+    no file is read whole.
     """
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     h = hashlib.blake2b(digest_size=16)
@@ -95,7 +102,43 @@ def files_fingerprint(path: Path) -> str:
             if size > SAMPLE_BYTES:
                 fh.seek(max(size - SAMPLE_BYTES, SAMPLE_BYTES))
                 h.update(fh.read(SAMPLE_BYTES))
+            if size <= 2 * SAMPLE_BYTES:
+                continue  # read whole already
+            spans = _tensor_spans(fh, size) if f.suffix == ".safetensors" else None
+            for start, end, count in spans or [(0, size, SPREAD_WINDOWS)]:
+                for offset in _window_offsets(start, end, count):
+                    fh.seek(offset)
+                    h.update(fh.read(WINDOW_BYTES))
     return h.hexdigest()
+
+
+def _window_offsets(start: int, end: int, count: int) -> list[int]:
+    """Where ``count`` windows spread evenly over ``[start, end)`` begin."""
+    last = max(start, end - WINDOW_BYTES)
+    if count <= 1 or last == start:
+        return [start]
+    return sorted({start + (last - start) * i // (count - 1) for i in range(count)})
+
+
+def _tensor_spans(fh: Any, size: int) -> list[tuple[int, int, int]] | None:
+    """``(start, end, windows)`` of each tensor's bytes in a safetensors file (its header: a
+    little-endian u64 length, then JSON naming each tensor's ``data_offsets``); None when the
+    header cannot be read as one."""
+    fh.seek(0)
+    length = int.from_bytes(fh.read(8), "little")
+    if not 0 < length <= min(size - 8, 100 << 20):
+        return None
+    try:
+        header = json.loads(fh.read(length))
+        base = 8 + length
+        spans = [
+            (base + int(v["data_offsets"][0]), base + int(v["data_offsets"][1]), 3)
+            for name, v in header.items()
+            if name != "__metadata__"
+        ]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return sorted(spans)
 
 
 def converted_gguf(gguf: Path, cache_dir: Path) -> Path:
