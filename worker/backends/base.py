@@ -1,7 +1,8 @@
 """The interface every backend implements, and the scheduler most of them share.
 
 Backends are synchronous: the worker drives them from one compute thread, so that Redis I/O
-for the next works overlaps the model."""
+for the next works overlaps the model.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from shared.registry import ModelDescription
 from worker.backends.rows import draw
 
 log = logging.getLogger("lmpool.worker")
-OFFLINE_SHARE_EVERY = 4  # batches in a row that may leave offline works waiting; then theirs
+OFFLINE_SHARE_EVERY = 4
+"""Batches in a row that may leave offline works waiting; then theirs goes first (the reader
+reads offline work first after as many interactive steps in a row)."""
 
 
 class EngineDead(RuntimeError):
@@ -140,7 +143,8 @@ class Backend(ABC):
     Subclasses implement :meth:`logprobs` and :meth:`score` (with ``greedy``: each token's
     log-prob beside whether it is the argmax of its position, see :func:`with_greedy`); they
     may override :meth:`score_many`, :meth:`decode_logprobs`, :meth:`pin_prefix` and
-    :meth:`kv_stats`, whose defaults are correct but do less."""
+    :meth:`kv_stats`, whose defaults are correct but do less.
+    """
 
     name: str = "base"
     info: ModelDescription
@@ -271,7 +275,8 @@ class Backend(ABC):
         return dropped
 
     def abandon(self) -> None:
-        """Forget every queued and running work (a step failed: all answered with its error)."""
+        """Forget every queued and running work: a step failed as a whole, and the worker
+        answered them all with its error."""
         self._queued.clear()
         self._running.clear()
 
@@ -295,7 +300,9 @@ class Backend(ABC):
         return self._run_batch(waiting)
 
     def _take(self, works: list[Work]) -> list[Work]:
-        """The next batch (``max_batch`` rows of a kind and adapter, by rank): interactive first."""
+        """The next batch: interactive works first, at most ``max_batch`` rows, one kind and
+        adapter (by rank, then arrival order, within each); offline works first after
+        ``OFFLINE_SHARE_EVERY`` batches in a row that left them waiting."""
         low_turn = self._high_run >= OFFLINE_SHARE_EVERY
         ordered = sorted(works, key=lambda w: (w.high == low_turn, w.rank))  # stable
         first = ordered[0]
@@ -430,8 +437,12 @@ class Backend(ABC):
         """A generation with genlm-backend's semantics (EOS not appended), through the
         scheduler: each token is drawn from ``softmax(logprobs / temperature)`` with a CPU
         generator seeded by ``seed``, so a seed gives the same tokens alone or in a batch."""
-        params = {"max_tokens": max_tokens, "eos": list(eos_token_ids)}
-        params.update(temperature=temperature, seed=seed)
+        params = {
+            "max_tokens": max_tokens,
+            "eos": list(eos_token_ids),
+            "temperature": temperature,
+            "seed": seed,
+        }
         (work,) = self.run([Work("sample", prompt, lora, params)])
         assert work.result is not None
         return [int(t) for t in work.result.tolist()]
