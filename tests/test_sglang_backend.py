@@ -315,3 +315,19 @@ async def test_pool_with_an_sglang_worker(
         lm.clear_cache()
         assert await lm.sample(prompts[2], 8, [319], seed=11) == a
     assert worker.terminate() == 0, worker.log()
+
+
+def test_a_quantized_engine_is_another_model_for_the_caches(
+    hf: HFBackend, tiny_llama: Path
+) -> None:
+    """Weights quantized as SGLang loads them (``LMPOOL_QUANTIZATION=fp8``) give other rows: its
+    fingerprint differs from the unquantized model's, so no cache entry is shared (it was the
+    same: a quantized worker answered from, and into, the float model's entries)."""
+
+    def factory(path: Path, settings: Settings) -> Any:
+        return EngineStandIn(hf)
+
+    q = SGLangBackend(
+        Settings(model=str(tiny_llama), device="cuda", quantization="fp8"), engine_factory=factory
+    )
+    assert q.info["fingerprint"] == hf.info["fingerprint"] + "-fp8"

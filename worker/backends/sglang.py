@@ -21,7 +21,7 @@ import torch
 
 from shared.errors import SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model
+from worker.backends.base import Backend, describe_model, quantized
 from worker.backends.model_files import eos_token_ids, model_dir
 from worker.backends.rows import with_greedy
 
@@ -102,6 +102,7 @@ class SGLangBackend(Backend):
             eos_token_ids=eos_token_ids(path, config, self.tokenizer),
             device=settings.device if settings.device != "auto" else "cuda",
             adapters=[],
+            variant=quantized(settings.quantization),
         )
         # SGLang's scheduler refuses a prompt of ``max_req_input_len`` tokens or more
         # (``validate_input_length``: ``len(req.origin_input_ids) >= max_req_input_len``; that

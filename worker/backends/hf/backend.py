@@ -14,7 +14,7 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model
+from worker.backends.base import Backend, describe_model, quantized
 from worker.backends.hf import attention
 from worker.backends.hf.kv_cache import KVCache
 from worker.backends.hf.kv_slots import UnsupportedModel
@@ -79,7 +79,7 @@ class HFBackend(Backend):
             device=str(self.device),
             adapters=sorted(self.adapters),
             # quantized weights give other results: other cache entries
-            variant="" if settings.quantization == "none" else f"-bnb{settings.quantization}",
+            variant=quantized(settings.quantization),
         )
         log.info("loaded %s on %s (%s, vocab %d)", source, self.device, self.dtype, vocab_size)
         self.score_positions = max(1, (settings.max_logits_mb << 20) // (4 * vocab_size))

@@ -31,7 +31,7 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError, UnknownAdapter
 from shared.settings import Settings
-from worker.backends.base import Backend, EngineDead, Work, check_ids, describe_model
+from worker.backends.base import Backend, EngineDead, Work, check_ids, describe_model, quantized
 from worker.backends.model_files import eos_token_ids, model_dir
 from worker.backends.vllm.engine import (
     EngineWatch,
@@ -115,6 +115,7 @@ class VLLMBackend(Backend):
             eos_token_ids=eos_ids,
             device=device_type,
             adapters=sorted(self._lora_requests),
+            variant=quantized(settings.quantization),
         )
         processes = self.engine_processes()
         self.watch.start(processes)
