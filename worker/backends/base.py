@@ -32,14 +32,6 @@ class EngineDead(RuntimeError):
     so that a supervisor restarts it; its unacknowledged messages are reclaimed by others."""
 
 
-def quantized(mode: str) -> str:
-    """The fingerprint's part for ``LMPOOL_QUANTIZATION``: weights quantized as they load are
-    other answers, so other cache entries (hf's bitsandbytes modes, the engines' own)."""
-    if mode == "none":
-        return ""
-    return f"-bnb{mode}" if mode in ("8bit", "4bit") else f"-{mode}"
-
-
 def describe_model(
     *,
     model_setting: str,

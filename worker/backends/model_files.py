@@ -171,3 +171,11 @@ def converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def quantized(mode: str) -> str:
+    """The fingerprint's part for ``LMPOOL_QUANTIZATION``: weights quantized as they load are
+    other answers, so other cache entries (hf's bitsandbytes modes, the engines' own)."""
+    if mode == "none":
+        return ""
+    return f"-bnb{mode}" if mode in ("8bit", "4bit") else f"-{mode}"

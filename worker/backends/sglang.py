@@ -21,8 +21,8 @@ import torch
 
 from shared.errors import SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model, quantized
-from worker.backends.model_files import eos_token_ids, model_dir
+from worker.backends.base import Backend, describe_model
+from worker.backends.model_files import eos_token_ids, model_dir, quantized
 from worker.backends.rows import with_greedy
 
 log = logging.getLogger("lmpool.worker")

@@ -14,11 +14,11 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError
 from shared.settings import Settings
-from worker.backends.base import Backend, describe_model, quantized
+from worker.backends.base import Backend, describe_model
 from worker.backends.hf import attention
 from worker.backends.hf.kv_cache import KVCache
 from worker.backends.hf.kv_slots import UnsupportedModel
-from worker.backends.model_files import eos_token_ids, model_dir
+from worker.backends.model_files import eos_token_ids, model_dir, quantized
 from worker.backends.rows import with_greedy
 
 log = logging.getLogger("lmpool.worker")

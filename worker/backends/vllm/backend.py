@@ -31,8 +31,8 @@ import torch
 
 from shared.errors import InvalidRequest, SettingsError, UnknownAdapter
 from shared.settings import Settings
-from worker.backends.base import Backend, EngineDead, Work, check_ids, describe_model, quantized
-from worker.backends.model_files import eos_token_ids, model_dir
+from worker.backends.base import Backend, EngineDead, Work, check_ids, describe_model
+from worker.backends.model_files import eos_token_ids, model_dir, quantized
 from worker.backends.vllm.engine import (
     EngineWatch,
     check_capture,
