@@ -194,11 +194,10 @@ class QuotaGate:
     def release_all_sync(self, redis_url: str) -> None:
         """:meth:`release_all` through a connection of its own: a producer closed with no
         event loop's client at hand (blocking calls in flight, ``close_sync``)."""
-        held, self.held = list(self.held), set()
-        if held:
+        if self.held:
             redis = connect_redis_sync(redis_url)
             try:
-                redis.zrem(self.keys[1], *held)
+                self.release_sync(redis, list(self.held))
             finally:
                 redis.close()
 
