@@ -4,7 +4,8 @@ Per-backend tolerances (float32, max abs diff of log-probs), as measured on this
 - hf:   reference 1e-5 (measured ~1e-6), batched vs one-by-one 1e-5, LoRA 1e-5
 - vllm: reference 1e-5 (measured 1.9e-6), batched vs one-by-one 1e-5, LoRA 2e-5 (1.9e-6)
 - hf-cuda (hf on a CUDA device, float32; gpu-marked): reference 1e-4, batched 1e-4, LoRA 1e-4
-- vllm-cuda (a CUDA build of vLLM, float32): hf-cuda's bounds, not yet measured there; vLLM's
+- vllm-cuda (a CUDA build of vLLM, float32): hf-cuda's bounds, passed on an H200 (2026-11-28,
+  bench/results/gpu-tests-h200-vllm.txt; the differences were not printed); vLLM's
   ``auto`` dtype turns a float32 checkpoint into bfloat16 on CUDA (4e-2 off, seen on an H100),
   so every backend here runs with ``dtype="float32"``. vLLM's LoRA kernels on CUDA take float16
   or bfloat16 only: there the engine has no adapter and the LoRA test is skipped

@@ -8,7 +8,8 @@
 #   env         nvidia-smi, versions and where each package comes from, pip check, disk
 #   smoke       bench/gpu/smoke.py ENGINE: the engine imports, sees the GPU, and (vLLM) serves
 #               log-probs of a tiny random model next to transformers
-#   pytest      LMPOOL_BACKEND=ENGINE python3 -m pytest -m gpu -v -rA (junit: pytest-junit.xml)
+#   pytest      LMPOOL_BACKEND=ENGINE python3 -m pytest -m gpu -v -rA (junit: pytest-junit.xml;
+#               each failure's report also in failures.txt the moment it fails: report_now.py)
 #   engine-tests  the engine's own test files, every marker, on the GPU: vllm:
 #               tests/test_vllm_backend.py and test_backend_suite.py -k vllm; sglang:
 #               tests/test_sglang_backend.py (junit: engine-tests-junit.xml)
@@ -105,7 +106,8 @@ PY
         # Autoloaded plugins of the machine's own pytest (benchmark, cov, xdist, ...) stay out,
         # as in the last H100 run (bench/results/gpu-tests-h100.txt). tests/conformance needs
         # llamppl and genlm-control, which the packs leave out (it has no gpu-marked test).
-        LMPOOL_BACKEND=$backend PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$python" -m pytest \
+        LMPOOL_BACKEND=$backend PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 LMGPU_FAILURES=$out/failures.txt \
+            PYTHONPATH=$repo/bench/gpu:$PYTHONPATH "$python" -m pytest -p report_now \
             -p pytest_asyncio.plugin -p pytest_timeout -m gpu -p no:cacheprovider -v -rA \
             --ignore=tests/conformance \
             --durations=15 --junitxml="$out/pytest-junit.xml"
@@ -116,7 +118,8 @@ PY
             sglang) tests=(tests/test_sglang_backend.py) ;;
             *) echo "engine-tests: none for $backend (the pytest step covers hf)"; exit 0 ;;
         esac
-        LMPOOL_BACKEND=$backend PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$python" -m pytest \
+        LMPOOL_BACKEND=$backend PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 LMGPU_FAILURES=$out/failures.txt \
+            PYTHONPATH=$repo/bench/gpu:$PYTHONPATH "$python" -m pytest -p report_now \
             -p pytest_asyncio.plugin -p pytest_timeout -m "gpu or not gpu" -p no:cacheprovider \
             -v -rA --durations=15 --junitxml="$out/engine-tests-junit.xml" "${tests[@]}"
         ;;
