@@ -12,6 +12,7 @@ import collections
 import contextlib
 import datetime
 import json
+import logging
 import os
 import platform
 import shlex
@@ -468,16 +469,36 @@ async def connect_remote_lm(
         redis_url=redis_url, timeout_s=request_timeout_s, connect_timeout_s=2.0, **more
     )
     deadline = time.monotonic() + timeout_s
-    while True:
-        if not worker.alive():
-            raise RuntimeError(f"worker exited at start:\n{worker.log_tail()}")
-        try:
-            return await RemoteLM.connect(model=model, cache_size=0, settings=settings)
-        except NoWorker:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"worker not ready after {timeout_s:g}s:\n{worker.log_tail()}"
-                ) from None
+    said = logging.getLogger("lmpool.producer")
+    once = _SayOnce("LMPOOL_CONNECT_TIMEOUT_S")  # the wait's warning once, not every 2 s
+    said.addFilter(once)
+    try:
+        while True:
+            if not worker.alive():
+                raise RuntimeError(f"worker exited at start:\n{worker.log_tail()}")
+            try:
+                return await RemoteLM.connect(model=model, cache_size=0, settings=settings)
+            except NoWorker:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"worker not ready after {timeout_s:g}s:\n{worker.log_tail()}"
+                    ) from None
+    finally:
+        said.removeFilter(once)
+
+
+class _SayOnce(logging.Filter):
+    """Lets the first record whose message holds ``mark`` through, and drops the others."""
+
+    def __init__(self, mark: str) -> None:
+        super().__init__()
+        self.mark, self.seen = mark, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.mark not in str(record.msg):
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
 
 
 def run_reported(
