@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -456,7 +457,10 @@ def test_add_and_remove_lora_at_run_time(
 ) -> None:
     second = build_adapter(tmp_path / "b", seed=2)
     merged = Reference(model_dir, second)
-    prompts = random_prompts(4, seed=13)
+    # one prompt longer than a KV block (16 tokens on CUDA, 128 on the CPU): a replaced
+    # adapter must not read the prefix-cache blocks its name's earlier weights computed
+    rng = random.Random(14)
+    prompts = [*random_prompts(4, seed=13), [rng.randrange(3, VOCAB) for _ in range(200)]]
     with pytest.raises(UnknownAdapter):
         lora_backend.check_prompt(1, "b", 0)
     lora_backend.add_lora("b", second)
@@ -468,6 +472,15 @@ def test_add_and_remove_lora_at_run_time(
     # replaced under the same name: the new weights (a's) are loaded, not the cached ones
     first = lora_backend._lora_requests["a"].lora_path
     lora_backend.add_lora("b", first)
+    assert (
+        max_diff(lora_backend.logprobs(prompts, "b"), lora_backend.logprobs(prompts, "a"))
+        < LORA_TOL
+    )
+    # replaced from its first folder, rewritten with a's files: vLLM 0.32 keys the prefix
+    # cache on the adapter's name and path, both the first b's (2.55 off before the fix)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(Path(first) / name, second / name)
+    lora_backend.add_lora("b", second)
     assert (
         max_diff(lora_backend.logprobs(prompts, "b"), lora_backend.logprobs(prompts, "a"))
         < LORA_TOL

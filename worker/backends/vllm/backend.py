@@ -95,8 +95,7 @@ class VLLMBackend(Backend):
             raise
         self._lora_ids = itertools.count(1)
         self._lora_requests = {
-            name: LoRARequest(name, next(self._lora_ids), str(Path(p).expanduser()))
-            for name, p in adapters.items()
+            name: self._new_lora_request(name, Path(p).expanduser()) for name, p in adapters.items()
         }
         model_cfg = self.engine.model_config
         scheduler = getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None)
@@ -262,6 +261,14 @@ class VLLMBackend(Backend):
         if work.kind in ("logprobs", "sample", "score"):
             self._count([ids])
 
+    def _new_lora_request(self, name: str, folder: Path) -> Any:
+        """vLLM's request for one load of adapter ``name``: a fresh id, and a name of its own
+        (``name#id``). vLLM's prefix cache keys an adapter's blocks on its name (0.26: the name
+        alone; 0.32: name and path), so a name served again with other weights would read
+        the KV blocks computed with the old ones."""
+        lora_id = next(self._lora_ids)
+        return self._LoRARequest(f"{name}#{lora_id}", lora_id, str(folder))
+
     def _lora_request(self, lora: str | None) -> Any:
         if lora is None:
             return None
@@ -348,8 +355,9 @@ class VLLMBackend(Backend):
     # -- adapters at run time -----------------------------------------------------------------
     def add_lora(self, name: str, path: str | Path) -> None:
         """Serve LoRA adapter ``name`` from ``path`` (a PEFT directory) from now on; vLLM loads
-        it at its first request. Replacing a name takes a fresh adapter id, so the new weights
-        are loaded. The engine must have been started with LoRA enabled."""
+        it at its first request. Replacing a name takes a fresh adapter id and vLLM name, so the
+        new weights are loaded and no KV block of the old ones is reused (even from the same
+        folder, rewritten). The engine must have been started with LoRA enabled."""
         lora_config = getattr(self.engine.vllm_config, "lora_config", None)
         if lora_config is None:
             raise SettingsError(
@@ -370,10 +378,10 @@ class VLLMBackend(Backend):
             )
         with self._engine_lock:
             old = self._lora_requests.get(name)
-            self._lora_requests[name] = self._LoRARequest(name, next(self._lora_ids), str(folder))
+            self._lora_requests[name] = self._new_lora_request(name, folder)
             self.info["adapters"] = sorted(self._lora_requests)
             if old is not None:
-                self._forget_lora(old)
+                self._forget_lora(name, old)
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving adapter ``name``; False when it was not served. Requests already in
@@ -383,11 +391,11 @@ class VLLMBackend(Backend):
             self.info["adapters"] = sorted(self._lora_requests)
             if old is None:
                 return False
-            self._forget_lora(old)
+            self._forget_lora(name, old)
             return True
 
-    def _forget_lora(self, request: Any) -> None:
-        if any(w.lora == request.lora_name for w in self._inflight.values()):
+    def _forget_lora(self, name: str, request: Any) -> None:
+        if any(w.lora == name for w in self._inflight.values()):
             return  # still in use; vLLM evicts it when it needs the slot
         try:
             self.engine.remove_lora(request.lora_int_id)
