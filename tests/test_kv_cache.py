@@ -7,6 +7,8 @@ Every cached result is compared with the no-cache path (``kv_cache_mb=0``) at 1e
 from __future__ import annotations
 
 import random
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -577,3 +579,34 @@ def test_pass_buffers_grow_by_half_so_a_growing_smc_run_keeps_its_memory() -> No
         sizes.add(keys.untyped_storage().nbytes())
     # 10, 15, 22 and 33 positions' worth: 4 allocations, not 21
     assert len(sizes) == 4
+
+
+def test_the_counters_are_read_at_once_while_a_pass_runs(model_dir: Path) -> None:
+    """The worker's heartbeat reads the counters in its event loop (``kv_stats``) while the
+    compute thread runs a pass. The read waited for the pass: a pass of long prompts on a CPU
+    froze the event loop and its heartbeats until the worker counted as dead (producers
+    connecting got ``NoWorker``, its shards went to others, SIGTERM waited a minute). Now it
+    returns at once, with the counters as the last pass left them."""
+    backend = make_backend(model_dir, 4)
+    before = backend.kv_stats()
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_pass(*_: Any) -> None:  # a forward pass that lasts until released
+        entered.set()
+        release.wait(5)
+
+    hook = backend.model.register_forward_pre_hook(slow_pass)
+    with ThreadPoolExecutor(1) as pool:
+        step = pool.submit(backend.logprobs, [[1, 2, 3]], None)
+        try:
+            assert entered.wait(30)
+            t0 = time.monotonic()
+            during = backend.kv_stats()
+            took = time.monotonic() - t0
+        finally:
+            release.set()
+            hook.remove()
+        step.result(timeout=30)
+    assert took < 1.0, f"kv_stats waited {took:.1f}s for the pass"
+    assert during == before
+    assert backend.kv_stats()["forward_passes"] == before["forward_passes"] + 1

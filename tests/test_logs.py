@@ -92,11 +92,19 @@ async def test_a_takeover_is_logged_when_it_happens(
         assert torch.equal(got, MockBackend(300).logprobs([ids], None)[0])
 
 
-def test_json_logs_are_json_from_start_to_stop(redis_url: str, workers: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("backend", ["mock", "hf"])
+def test_json_logs_are_json_from_start_to_stop(
+    redis_url: str, workers: Callable[..., Any], backend: str, request: pytest.FixtureRequest
+) -> None:
     """With LMPOOL_LOG_FORMAT=json every line the worker writes is one JSON object, arq's own
     start-up and shutdown lines too (they came as ``16:02:33: Starting worker ...`` text, which
-    a log collector parsing JSON drops or garbles)."""
-    w = workers(redis_url, backend="mock", mock_vocab_size=300, log_format="json")
+    a log collector parsing JSON drops or garbles), and no progress bar comes between them
+    (transformers' ``Loading weights: 100%|...`` did, as an hf worker loaded its model)."""
+    if backend == "hf":
+        model = str(request.getfixturevalue("tiny_llama"))
+        w = workers(redis_url, model=model, backend="hf", log_format="json")
+    else:
+        w = workers(redis_url, backend="mock", mock_vocab_size=300, log_format="json")
     assert w.terminate() == 0
     lines = [line for line in w.log(100_000).splitlines() if line.strip()]
     records = []

@@ -62,6 +62,15 @@ def test_status_without_redis_or_with_a_bad_setting_says_so_in_one_line() -> Non
         assert "Traceback" not in out.stderr and ":pw@" not in out.stderr
 
 
+def test_status_of_an_empty_pool_names_where_it_looked(redis_url: str) -> None:
+    """``lmpool-status`` in a new shell (no ``LMPOOL_REDIS_URL``), on another database or under
+    another key prefix finds no model: it says which Redis and prefix it looked at (it said
+    "on this Redis"), so the operator sees the setting to fix."""
+    other_db = redis_url.rsplit("/", 1)[0] + "/5"
+    text = status(other_db, "--prefix", "lab")
+    assert f"no model has registered a worker on {other_db} under key prefix 'lab'" in text
+
+
 def test_status_watched_through_a_pipe_that_closes_ends_quietly(redis_url: str) -> None:
     """``lmpool-status --watch 1 | head -1``: the closed pipe ends it with exit 0 and nothing on
     stderr (it is not Redis' fault); a negative interval is refused."""

@@ -327,6 +327,27 @@ def test_an_unreadable_line_does_not_take_the_id_of_its_number(
     assert failed["line"] == 1 and "not JSON" in failed["error"]
 
 
+def test_a_line_that_is_not_json_is_told_as_written() -> None:
+    """A string cut short (``{"text": "broken``) is called unterminated: the line's own newline
+    was parsed with it, and the error named an invisible "Invalid control character"."""
+    from producer.scoring.inputs import LineError, read_line
+
+    with pytest.raises(LineError) as caught:
+        read_line(b'{"text": "broken\n', 11)
+    said = str(caught.value)
+    assert said.startswith("line 11 is not JSON: Unterminated string"), said
+
+
+def test_loading_distributions_of_a_jsonl_output_says_what_it_holds(tmp_path: Path) -> None:
+    """``load_logprobs`` given a top-k (sample, score) output, which has no shards: an error
+    that says so and what to do (it was ``KeyError: 'shard'``)."""
+    from producer.scoring.files import OutputError
+
+    out = write_jsonl(tmp_path / "out.jsonl", [{"id": 1, "top_ids": [3], "top_logprobs": [-0.1]}])
+    with pytest.raises(OutputError, match=r"out.jsonl holds no distributions .* read it as JSONL"):
+        load_logprobs(out)
+
+
 def test_a_file_that_is_no_output_is_left_as_it_is(redis_url: str, tmp_path: Path) -> None:
     """INPUT and OUTPUT swapped: the prompts, given as the output, are refused and keep every
     byte, their last line too (no newline after it: it was cut off as a torn line), and so is

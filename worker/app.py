@@ -59,6 +59,11 @@ async def _start(ctx: dict[str, Any]) -> None:
 
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
+    # A progress bar is no log line: transformers' ("Loading weights: 100%|...") came between
+    # the log's lines, JSON ones too.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     try:
         cluster = await is_cluster_async(settings.redis_url)
     except (RedisConnectionError, RedisTimeoutError):

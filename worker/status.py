@@ -170,10 +170,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def render(data: dict[str, Any]) -> str:
+def render(data: dict[str, Any], where: str = "this Redis") -> str:
+    """``data`` (``collect``) for people; ``where``: the Redis (and key prefix) it came from."""
     lines = [_memory(data["redis"])] if data.get("redis") else []
     if not data["models"]:
-        lines.append("no model has registered a worker on this Redis (yet)")
+        lines.append(f"no model has registered a worker on {where} (yet)")
     for model, m in data["models"].items():
         if not m["workers"]:
             lines += _unserved(model, m)
@@ -286,7 +287,8 @@ async def run(url: str, prefix: str, watch_s: float, as_json: bool) -> None:
     try:
         while True:
             data = await collect(redis, keys)
-            text = json.dumps(data, indent=2, default=str) if as_json else render(data)
+            where = f"{masked_url(url)} under key prefix {prefix!r}"
+            text = json.dumps(data, indent=2, default=str) if as_json else render(data, where)
             if watch_s:
                 sys.stdout.write("\x1b[2J\x1b[H")  # clear the terminal between refreshes
             print(text, flush=True)

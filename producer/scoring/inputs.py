@@ -100,7 +100,7 @@ def read_line(raw: bytes, lineno: int) -> tuple[Key, Any]:
     """``(key, parsed JSON)`` of one input line; ``LineError`` (named by the line number) when
     it is not JSON or its ``id`` is unusable."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw.rstrip(b"\r\n"))  # a string cut short: "unterminated", not "\n"
     except ValueError as e:
         raise LineError(lineno, InvalidRequest(f"line {lineno} is not JSON: {e}")) from None
     return line_key(obj, lineno), obj

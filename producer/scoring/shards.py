@@ -138,6 +138,11 @@ def load_logprobs(output_path: str | os.PathLike[str]) -> tuple[list[Key], np.nd
     directory = shard_dir(output_path)
     by_shard: dict[str, tuple[list[int], list[int]]] = {}
     for position, record in enumerate(records):
+        if "shard" not in record:
+            raise OutputError(
+                f"{output_path} holds no distributions (line {position + 1} names no shard: an "
+                "output of --top-k, sample or score mode): read it as JSONL"
+            )
         positions, rows = by_shard.setdefault(record["shard"], ([], []))
         positions.append(position)
         rows.append(record["row"])

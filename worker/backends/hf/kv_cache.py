@@ -105,6 +105,7 @@ class KVCache(KVTrie):
         self.tokens_reused = 0
         self.tokens_computed = 0
         self.forward_passes = 0
+        self._stats = dict.fromkeys(self.STAT_NAMES, 0)
         self.buffers = PassBuffers(self.layout.device, self.layout.dtype)
 
     # -- public API ---------------------------------------------------------------------
@@ -197,9 +198,15 @@ class KVCache(KVTrie):
 
     def stats(self) -> dict[str, int]:
         """The counters named in ``STAT_NAMES`` (a pass's positions count in ``bytes_used`` and
-        ``entries`` once stored: see :meth:`settle`)."""
-        with self._lock:
-            return {name: int(getattr(self, name)) for name in self.STAT_NAMES}
+        ``entries`` once stored: see :meth:`settle`). While a pass holds the cache, those of the
+        last read: the worker's heartbeat reads them in its event loop, which never waits for
+        a pass (one of long prompts on a CPU froze it until the worker counted as dead)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._stats = {name: int(getattr(self, name)) for name in self.STAT_NAMES}
+            finally:
+                self._lock.release()
+        return dict(self._stats)
 
     # -- compute ------------------------------------------------------------------------
     def _compute(
