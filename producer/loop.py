@@ -1,13 +1,12 @@
 """One event loop's share of a :class:`producer.client.PoolClient`: created in that loop by its
-first request, used only from it, dropped when the loop ends.
-
-Every request made on one event-loop tick goes to Redis in one SUBMIT script call per shard (a
-pipeline when they span shards); a result that already exists is read with GET. One listener
-task pops replies from the loop's own reply list with ``BLMPOP`` (many per round trip); a reply
-without an inline result names a digest whose result the listener then reads with ``GET`` (one
-pipeline per batch of replies). Identical requests in flight share one submission. A
-housekeeping task, ten times a second, fails what passed its deadline and re-submits what waited
-``LMPOOL_RESEND_S`` (a no-op unless Redis lost the message): no timer per request.
+first request, used only from it, dropped when the loop ends. Every request made on one event-loop
+tick goes to Redis in one SUBMIT script call per shard (a pipeline when they span shards); a result
+that already exists is read with GET. One listener task pops replies from the loop's own reply list
+with ``BLMPOP`` (many per round trip); a reply without an inline result names a digest whose result
+the listener then reads with ``GET`` (one pipeline per batch of replies). Identical requests in
+flight share one submission. A housekeeping task, ten times a second, fails what passed its
+deadline and re-submits what waited ``LMPOOL_RESEND_S`` (a no-op unless Redis lost the message): no
+timer per request.
 """
 
 from __future__ import annotations
@@ -394,6 +393,8 @@ class LoopState:
                 fetch.append(digest)
             elif isinstance(outcome, Expired) and self.loop.time() < p.deadline:
                 self._enqueue(p, force=True)  # dropped on an earlier asker's deadline
+            elif isinstance(outcome, Expired):  # its own: told as a timeout, the queue's state
+                self._expire(p)
             elif isinstance(outcome, BaseException):
                 self._settle(p, error=outcome)
             else:

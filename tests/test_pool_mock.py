@@ -782,3 +782,49 @@ async def test_offline_work_gets_its_share_while_interactive_callers_keep_the_wo
             await asyncio.gather(*callers)
     for row, ids in zip(rows, prompts, strict=True):
         assert torch.equal(row, reference(ids))
+
+
+@pytest.mark.asyncio
+async def test_a_request_dropped_on_its_own_deadline_is_told_as_a_timeout(
+    redis_url: str, workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker drops a request whose deadline passed before it ran (``Expired``). Where that
+    deadline is the asker's own, the asker gets the ``RequestTimeout`` every timeout gives, with
+    the model and the queue's state (before: a bare ``Expired: dropped unrun: its deadline
+    passed 2 ms ago`` whenever the worker's answer came before the producer's own check)."""
+    import producer.loop
+
+    monkeypatch.setattr(producer.loop, "HOUSEKEEPING_S", 5.0)  # the worker's answer comes first
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=600)
+    async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=10.0) as busy:
+        first = asyncio.create_task(busy.next_token_logprobs([1, 2]))
+        await asyncio.sleep(0.1)  # the worker is in its batch of 600 ms
+        async with await RemoteLM.connect(redis_url, model=MODEL, timeout_s=0.2) as lm:
+            t0 = time.monotonic()
+            with pytest.raises(RequestTimeout) as caught:
+                await lm.next_token_logprobs([3, 4])
+            waited = time.monotonic() - t0
+        await first
+    assert type(caught.value) is RequestTimeout, repr(caught.value)
+    assert f"no answer from model {MODEL!r} within 0.2s (" in str(caught.value)
+    assert "queue" in str(caught.value)
+    assert waited < 3.0, "told when the worker's answer came, not at the next housekeeping"
+
+
+def test_a_blocking_request_dropped_on_its_own_deadline_is_told_as_a_timeout(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """The blocking path, as above: a ``RequestTimeout`` naming the model, never ``Expired``."""
+    workers(redis_url, backend="mock", mock_vocab_size=V, mock_delay_ms=600)
+    busy = asyncio.run(RemoteLM.connect(redis_url, model=MODEL, timeout_s=10.0))
+    lm = asyncio.run(RemoteLM.connect(redis_url, model=MODEL, timeout_s=0.2))
+    first = threading.Thread(target=busy.next_token_logprobs_sync, args=([1, 2],))
+    first.start()
+    time.sleep(0.1)  # the worker is in its batch of 600 ms
+    with pytest.raises(RequestTimeout) as caught:
+        lm.next_token_logprobs_sync([3, 4])
+    first.join()
+    assert type(caught.value) is RequestTimeout, repr(caught.value)
+    assert f"no answer from model {MODEL!r} within 0.2s (" in str(caught.value)
+    asyncio.run(lm.close())
+    asyncio.run(busy.close())
