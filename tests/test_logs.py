@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -92,17 +93,25 @@ async def test_a_takeover_is_logged_when_it_happens(
         assert torch.equal(got, MockBackend(300).logprobs([ids], None)[0])
 
 
-@pytest.mark.parametrize("backend", ["mock", "hf"])
+@pytest.mark.parametrize("backend", ["mock", "hf", "hf-first-start"])
 def test_json_logs_are_json_from_start_to_stop(
-    redis_url: str, workers: Callable[..., Any], backend: str, request: pytest.FixtureRequest
+    redis_url: str,
+    workers: Callable[..., Any],
+    backend: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
 ) -> None:
     """With LMPOOL_LOG_FORMAT=json every line the worker writes is one JSON object, arq's own
     start-up and shutdown lines too (they came as ``16:02:33: Starting worker ...`` text, which
     a log collector parsing JSON drops or garbles), and no progress bar comes between them
-    (transformers' ``Loading weights: 100%|...`` did, as an hf worker loaded its model)."""
+    (transformers' ``Loading weights: 100%|...`` did, as an hf worker loaded its model, and the
+    bundled model's conversion at a machine's first start, ``Converting and de-quantizing GGUF
+    tensors...``)."""
     if backend == "hf":
         model = str(request.getfixturevalue("tiny_llama"))
         w = workers(redis_url, model=model, backend="hf", log_format="json")
+    elif backend == "hf-first-start":  # the default model, converted into an empty cache
+        w = workers(redis_url, backend="hf", log_format="json", cache_dir=str(tmp_path / "c"))
     else:
         w = workers(redis_url, backend="mock", mock_vocab_size=300, log_format="json")
     assert w.terminate() == 0

@@ -60,7 +60,7 @@ async def _start(ctx: dict[str, Any]) -> None:
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format)
     # A progress bar is no log line: transformers' ("Loading weights: 100%|...") came between
-    # the log's lines, JSON ones too.
+    # the log's lines, JSON ones too (tqdm's own bars: see worker/__init__.py)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
