@@ -12,6 +12,7 @@ safe to repeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -19,13 +20,16 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis as sync_redis
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
     ClusterDownError,
+    ClusterError,
     ReadOnlyError,
+    RedisError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -43,10 +47,12 @@ TRANSIENT = (
     TryAgainError,
     SlotNotCoveredError,
     ReadOnlyError,
+    ClusterError,
 )
 """Errors that mean "Redis is unreachable right now" (a server restarting, a cluster failing
-over: a replica not yet promoted answers CLUSTERDOWN or READONLY), as opposed to a refused
-command: loops back off and try again."""
+over: a replica not yet promoted answers CLUSTERDOWN or READONLY; a slot moving between
+nodes: redis-py gives up on its ASK / TRYAGAIN redirections with ``ClusterError('TTL
+exhausted.')``), as opposed to a refused command: loops back off and try again."""
 
 
 AnyRedis = Redis | RedisCluster
@@ -198,6 +204,64 @@ def _cluster_options(asynchronous: bool) -> dict[str, Any]:
     return {"cluster_error_retry_attempts": CLUSTER_RETRY_ATTEMPTS, "retry": retry}
 
 
+def moving_slot(answer: Any) -> Any:
+    """A script refused because a key it names inside (a digest's) is in a slot moving to
+    another node ("non local key": no redirection can follow it), as the transient state it
+    is: ``TryAgainError``, which callers retry after a pause; any other answer as it is."""
+    if not isinstance(answer, ResponseError) or "non local key" not in str(answer):
+        return answer
+    again = TryAgainError()  # type: ignore[no-untyped-call]
+    again.args = ("a slot is moving between cluster nodes: Redis refused a script's key",)
+    return again
+
+
+async def load_script(redis: Any, source: str) -> None:
+    """``SCRIPT LOAD``; on a cluster on every node the client knows, replicas too, each as it
+    can (Redis 7 does not replicate SCRIPT LOAD, and right after a failover redis-py may still
+    count the promoted replica among the replicas: a load on the primaries alone missed it, and
+    the EVALSHA after it met NOSCRIPT again, ``tests/test_cluster_pool.py``)."""
+    if not isinstance(redis, RedisCluster):
+        await redis.script_load(source)
+        return
+    for node in redis.get_nodes():
+        with contextlib.suppress(RedisError):  # a node down: not one the call goes to
+            await node.execute_command("SCRIPT", "LOAD", source)
+
+
+def load_script_sync(redis: Any, source: str) -> None:
+    """:func:`load_script` for the blocking clients."""
+    if not isinstance(redis, sync_redis.RedisCluster):
+        redis.script_load(source)
+        return
+    for node in redis.get_nodes():
+        if node.redis_connection is not None:
+            with contextlib.suppress(RedisError):
+                node.redis_connection.script_load(source)
+
+
+class _Pipeline(ClusterPipeline):
+    """redis-py's cluster pipeline, whose ``execute`` reads its client's default node after
+    running the commands: None while another task's command has the client re-read the
+    topology (a failover, a slot moving), which raised ``AttributeError`` and ended the
+    worker's reader. Said here as the transient state it is: ``ClusterDownError``."""
+
+    async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return await super().execute(*args, **kwargs)
+        except AttributeError as e:
+            if self._client.get_default_node() is not None:
+                raise
+            raise ClusterDownError(  # type: ignore[no-untyped-call]
+                f"the cluster client is re-reading its topology ({e})"
+            ) from e
+
+
+class _Cluster(RedisCluster):
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        super().pipeline(transaction, shard_hint)  # its checks of the arguments
+        return _Pipeline(self)  # type: ignore[abstract]  # as redis-py makes its own
+
+
 class DirectSend:
     """A connection mixin: a command goes onto the socket without a task of its own.
 
@@ -318,7 +382,7 @@ def connect_redis(url: str, **kwargs: Any) -> AnyRedis:
             options.pop(unsupported, None)
         options.update(_cluster_options(asynchronous=True))
         # redis-py's from_url are Any to mypy (Redis.from_url has no return annotation)
-        return cast(RedisCluster, RedisCluster.from_url(url, decode_responses=False, **options))
+        return cast(RedisCluster, _Cluster.from_url(url, decode_responses=False, **options))
     return Redis.from_pool(ReadyPool.from_url(url, decode_responses=False, **options))
 
 

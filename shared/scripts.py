@@ -26,9 +26,10 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import ClusterDownError, NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared.keys import GROUP, Keys
+from shared.redis_conn import load_script, load_script_sync, moving_slot
 from shared.resp import Commands, RespConnection
 
 SUBMIT = """
@@ -317,10 +318,10 @@ class Script:
         return ["EVAL", self.source, len(keys), *keys, *args]
 
     async def load(self, redis: Any) -> None:
-        await redis.script_load(self.source)
+        await load_script(redis, self.source)
 
     def load_sync(self, redis: Any) -> None:
-        redis.script_load(self.source)
+        load_script_sync(redis, self.source)
 
 
 async def execute(
@@ -337,20 +338,18 @@ async def execute(
         try:
             results: list[Any] = await pipe.execute(raise_on_error=raise_on_error)
         except NoScriptError:
-            results = [NoScriptError()]
-        except AttributeError as e:
-            # redis-py's cluster pipeline reads its client's default node, which is None while
-            # the client re-reads the topology after a failover: a transient state
-            if getattr(redis, "get_default_node", lambda: True)() is not None:
+            if attempt == 2:
                 raise
-            raise ClusterDownError(  # type: ignore[no-untyped-call]
-                f"the cluster client is re-reading its topology ({e})"
-            ) from e
+            results = [NoScriptError()]
+        except ResponseError as e:
+            if moving_slot(e) is e:
+                raise
+            raise moving_slot(e) from e
         if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
             for script in scripts:
                 await script.load(redis)
             continue
-        return results
+        return [moving_slot(r) for r in results]
     raise AssertionError("unreachable")
 
 
@@ -406,10 +405,15 @@ async def run_script(redis: Any, script: Script, keys: Sequence[str], args: Sequ
     """One script call outside a pipeline (cheaper for a single command); loads it on
     NOSCRIPT."""
     try:
-        return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        await script.load(redis)
-        return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await script.load(redis)
+            return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except ResponseError as e:
+        if moving_slot(e) is e:
+            raise
+        raise moving_slot(e) from e
 
 
 SUBMIT_SCRIPT = Script(SUBMIT)
