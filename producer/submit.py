@@ -23,7 +23,14 @@ from redis.retry import Retry as SyncRetry
 from producer.target import Target
 from shared import protocol
 from shared.errors import Expired, LMPoolError, QueueFull, RedisFull, RequestTimeout
-from shared.redis_conn import TRANSIENT, AnyRedis, Backoff, connect_redis_sync, is_cluster
+from shared.redis_conn import (
+    TRANSIENT,
+    AnyRedis,
+    Backoff,
+    connect_redis_sync,
+    is_cluster,
+    moving_slot,
+)
 from shared.scripts import SUBMIT_SCRIPT, execute, run_script, submit_call
 
 LISTEN_BLOCK_S = 1.0
@@ -356,10 +363,15 @@ class SyncState:
 
     def _raise_refused(self, outcome: Any) -> None:
         """Raise what a SUBMIT outcome other than queued, joined or cached means: a full queue,
-        a call that failed."""
+        a call that failed. A transient failure (a failover, a slot moving: the pipeline hands
+        back redis-py's ``ClusterError('TTL exhausted.')``, Redis' "non local key" refusal) is
+        raised as it is, for :meth:`request_many` to wait out, as the async path does."""
         if outcome == "full":
             raise self.submitter.queue_full()
         if isinstance(outcome, Exception):
+            outcome = moving_slot(outcome)
+            if isinstance(outcome, TRANSIENT):
+                raise outcome
             raise self.submitter.submit_error(outcome)
 
     def _fetch(

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any, cast
 
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.connection import parse_url
 from redis.exceptions import RedisError
@@ -24,7 +25,14 @@ from redis.exceptions import RedisError
 from shared import registry
 from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import GROUP, Keys
-from shared.redis_conn import AnyRedis, check_url, connect_redis, masked_url, reaching
+from shared.redis_conn import (
+    AnyRedis,
+    check_url,
+    connect_redis,
+    masked_url,
+    reaching,
+    tls_options,
+)
 from shared.settings import Settings
 from worker.quota import read_quotas
 from worker.quota import render as render_quotas
@@ -281,14 +289,88 @@ async def forget(redis: AnyRedis, keys: Keys, model: str) -> str:
     return f"model {model!r} unlisted{left}"
 
 
+async def cluster_trouble(url: str) -> str | None:
+    """On a Redis Cluster that cannot serve every slot now (``cluster_state`` not ok, or a
+    master with slots flagged failing: a node down, a failover in progress), one line naming the
+    masters that do not answer and their slots, as the node at ``url`` sees them; else None
+    (or when that node does not say: an ACL user without ``CLUSTER``)."""
+    probe = Redis.from_url(
+        check_url(url), socket_connect_timeout=5, socket_timeout=5, **tls_options(url)
+    )
+    try:
+        info = _s(await probe.execute_command("CLUSTER", "INFO"))
+        nodes = _s(await probe.execute_command("CLUSTER", "NODES"))
+    except (RedisError, OSError):
+        return None
+    finally:
+        await probe.aclose()
+    state = "ok"
+    for line in info.splitlines():
+        if line.startswith("cluster_state:"):
+            state = line.split(":", 1)[1].strip()
+    down = []
+    for line in nodes.splitlines():
+        f = line.split()
+        if len(f) < 8 or "master" not in f[2] or not ({"fail", "fail?"} & set(f[2].split(","))):
+            continue
+        slots = [x for x in f[8:] if not x.startswith("[")]
+        if slots:
+            down.append(f"{f[1].split('@')[0]} (slots {' '.join(slots)}, {f[2]})")
+    if state == "ok" and not down:
+        return None
+    said = "; ".join(down) if down else "no master is flagged failing"
+    return (
+        f"the Redis Cluster at {masked_url(url)} cannot serve every slot "
+        f"(cluster_state:{state}): masters not answering: {said}"
+    )
+
+
+async def _collect_or_trouble(
+    redis: AnyRedis, keys: Keys, url: str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """:func:`collect` on a cluster, or what :func:`cluster_trouble` says once it says
+    something: a node down failed the reads of its slots only after redis-py's retries (11 s,
+    "cannot reach the pool's Redis at URL: Error 111 connecting to" another node than the
+    URL's) or all of them ("The cluster is down"), naming neither the node nor its slots."""
+    task = asyncio.ensure_future(collect(redis, keys))
+    try:
+        while True:
+            if (await asyncio.wait({task}, timeout=1.0))[0]:
+                try:
+                    return task.result(), None
+                except (RedisError, OSError) as e:
+                    trouble = await cluster_trouble(url)
+                    if trouble is None:
+                        raise
+                    return None, f"{trouble} ({e})"
+            trouble = await cluster_trouble(url)
+            if trouble is not None:
+                return None, trouble
+    finally:
+        task.cancel()
+
+
 async def run(url: str, prefix: str, watch_s: float, as_json: bool) -> None:
     redis = connect_redis(url)
     keys = Keys(prefix)
+    cluster = isinstance(redis, RedisCluster)
     try:
         while True:
-            data = await collect(redis, keys)
+            data: dict[str, Any] | None = None
+            trouble: str | None = None
+            if cluster:
+                data, trouble = await _collect_or_trouble(redis, keys, url)
+            else:
+                data = await collect(redis, keys)
+            if trouble is not None and not watch_s:
+                raise Refused(trouble)
             where = f"{masked_url(url)} under key prefix {prefix!r}"
-            text = json.dumps(data, indent=2, default=str) if as_json else render(data, where)
+            if data is None:
+                text = json.dumps({"error": trouble}) if as_json else f"lmpool-status: {trouble}"
+            elif as_json:
+                text = json.dumps(data, indent=2, default=str)
+            else:
+                text = render(data, where)
             if watch_s:
                 sys.stdout.write("\x1b[2J\x1b[H")  # clear the terminal between refreshes
             print(text, flush=True)
