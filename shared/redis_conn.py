@@ -243,7 +243,25 @@ class _Pipeline(ClusterPipeline):
     """redis-py's cluster pipeline, whose ``execute`` reads its client's default node after
     running the commands: None while another task's command has the client re-read the
     topology (a failover, a slot moving), which raised ``AttributeError`` and ended the
-    worker's reader. Said here as the transient state it is: ``ClusterDownError``."""
+    worker's reader. Raised there, once every command has its answer (the default node only
+    decides whether to replace it), the answers are returned: thrown away, they lost what
+    the commands had done (the waiter sets a FINISH took, the entries an XREADGROUP
+    delivered). Anywhere else it is said as the transient state it is: ``ClusterDownError``."""
+
+    async def _execute(self, client: Any, stack: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return await super()._execute(client, stack, *args, **kwargs)
+        except AttributeError as e:
+            tb = e.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            if (
+                tb is None
+                or tb.tb_frame.f_code is not ClusterPipeline._execute.__code__
+                or client.get_default_node() is not None
+            ):
+                raise
+            return [cmd.result for cmd in stack]
 
     async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
         try:

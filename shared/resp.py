@@ -286,6 +286,9 @@ class Commands:
     def __init__(self) -> None:
         self.commands: list[list[Any]] = []
 
+    def __len__(self) -> int:
+        return len(self.commands)
+
     def execute_command(self, *args: Any) -> None:
         self.commands.append(list(args))
 

@@ -151,11 +151,15 @@ FINISH = """
 --       prefix, then per digest: digest, reply
 -- Takes each digest's waiter set: a SUBMIT before the SET is in it, one after finds the result.
 -- (The waiter set leaves the due set with it: it will not stay.)
+-- Every set is read before any is deleted: a key Redis refuses (its slot moving to another
+-- node: "non local key") fails the call before it has changed anything (a script's writes
+-- stay when it fails), not after it took sets whose askers it then never names.
 local push, ttl, wait = ARGV[1] == '1', ARGV[2], ARGV[3]
-local out = {}
+local out, sets = {}, {}
+for i = 4, #ARGV, 2 do sets[i] = redis.call('SMEMBERS', wait .. ARGV[i]) end
 for i = 4, #ARGV, 2 do
   local w = wait .. ARGV[i]
-  local ws = redis.call('SMEMBERS', w)
+  local ws = sets[i]
   redis.call('DEL', w)
   redis.call('ZREM', KEYS[2], 'w:' .. ARGV[i])
   if push then
@@ -325,12 +329,18 @@ class Script:
 
 
 async def execute(
-    redis: Any, build: Callable[[Any], None], scripts: Sequence[Script], raise_on_error: bool = True
+    redis: Any,
+    build: Callable[[Any], None],
+    scripts: Sequence[Script],
+    raise_on_error: bool = True,
+    seen: Callable[[list[Any]], None] | None = None,
 ) -> list[Any]:
     """Build and run a non-transactional pipeline; on NOSCRIPT load ``scripts`` and run it again.
 
     Every command lmpool pipelines is safe to repeat, so a second run after a partial first one
-    changes nothing but the missing parts.
+    changes nothing but the missing parts. ``seen`` gets each run's results (errors in place
+    unless ``raise_on_error``), also the first run's of a pipeline run twice: what a command
+    that ran returned (the waiter sets a FINISH took) is not lost with it.
     """
     for attempt in (1, 2):
         pipe = redis.pipeline(transaction=False)
@@ -345,6 +355,8 @@ async def execute(
             if moving_slot(e) is e:
                 raise
             raise moving_slot(e) from e
+        if seen is not None:
+            seen(results)
         if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
             for script in scripts:
                 await script.load(redis)

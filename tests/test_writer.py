@@ -120,10 +120,10 @@ async def test_a_refused_write_lets_its_entries_go(
     real_write = writer.write
     refusals = [redis.exceptions.NoPermissionError("NOPERM no permissions")]
 
-    async def write(jobs: list[Job]) -> None:
+    async def write(jobs: list[Job], taken: dict[int, set[Any]] | None = None) -> None:
         if refusals:
             raise refusals.pop()
-        await real_write(jobs)
+        await real_write(jobs, taken)
 
     writer.write = write  # type: ignore[method-assign]
     stream = Keys().stream(MODEL, "high", 0, "")

@@ -119,7 +119,8 @@ class Writer:
             batch, self._queue = self._queue, []
             self._writing = batch
             try:
-                written = await until_done(functools.partial(self.write, batch), self._is_stopping)
+                write = functools.partial(self.write, batch, {})  # one ``taken`` for all tries
+                written = await until_done(write, self._is_stopping)
             except OutOfMemoryError as e:
                 # Redis full: the SETs were refused, but FINISH ran (its first write, a DEL, is
                 # never refused) and the entries were acknowledged: the askers, told to read
@@ -139,14 +140,19 @@ class Writer:
                 self.on_written(batch)
 
     # -- one write ------------------------------------------------------------------------
-    async def write(self, jobs: list[Job]) -> None:
+    async def write(self, jobs: list[Job], taken: dict[int, set[Any]] | None = None) -> None:
+        """Write ``jobs``' answers. On a cluster ``taken`` (job index -> the reply lists its
+        FINISH took) is kept by the caller across tries: a try that fails after a FINISH ran
+        (another shard's node refused a command, a NOSCRIPT rerun) took those waiter sets, and
+        the next try's FINISH finds none, so their replies are pushed from here."""
+        taken = {} if taken is None else taken
         ttl_ms = self.settings.result_ttl_s * 1000
         due = int(self.now_ms()) + min(ttl_ms, UNREAD_KEEP_MS)  # on the Redis clock
         replies = [self._reply(job) for job in jobs]
         groups = finish_groups(jobs)
         dead = any(job.dead is not None for job in jobs)
-        finishes: list[tuple[int, list[int]]] = []
-        """(shard, indices of its jobs) of each FINISH call, in pipeline order."""
+        finishes: list[tuple[list[int], int]] = []
+        """(indices of its jobs, its place in the pipeline) of each FINISH call."""
 
         def build(pipe: Any) -> None:
             finishes.clear()
@@ -172,11 +178,11 @@ class Writer:
                     call = finish_call(
                         self.keys, self.model, shard, not self.cluster, ttl_ms, answers
                     )
+                    finishes.append((members, len(pipe)))
                     if dead:  # by source: no NOSCRIPT, whose re-run would add the letters twice
                         pipe.execute_command(*FINISH_SCRIPT.eval_command(*call))
                     else:
                         FINISH_SCRIPT.queue(pipe, *call)
-                    finishes.append((shard, members))
             for job in jobs:
                 if job.dead is not None:
                     for entry in job.entries:
@@ -186,16 +192,27 @@ class Writer:
         if self.conn is not None:
             await execute_resp(self.conn, build, [FINISH_SCRIPT], WRITE_TIMEOUT_S)
             return
-        outcome = await execute(self.redis, build, [FINISH_SCRIPT])
-        if self.cluster:
-            finished = [r for r in outcome if isinstance(r, list)]
-            pipe = self.redis.pipeline(transaction=False)
-            for (_, members), lists in zip(finishes, finished, strict=True):
-                for i, waiting in zip(members, lists, strict=True):
-                    for reply_list in waiting:
-                        pipe.rpush(reply_list, replies[i])
-                        pipe.pexpire(reply_list, ttl_ms)
-            await pipe.execute()
+
+        def keep(results: list[Any]) -> None:
+            for members, at in finishes:
+                lists = results[at] if at < len(results) else None
+                if isinstance(lists, list):  # this FINISH ran: its waiter sets are gone
+                    for i, waiting in zip(members, lists, strict=True):
+                        taken.setdefault(i, set()).update(waiting)
+
+        if not self.cluster:
+            await execute(self.redis, build, [FINISH_SCRIPT])
+            return
+        outcome = await execute(self.redis, build, [FINISH_SCRIPT], False, keep)
+        errors = [r for r in outcome if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]  # the next try pushes what this one's FINISH calls took
+        pipe = self.redis.pipeline(transaction=False)
+        for i, waiting in taken.items():
+            for reply_list in waiting:
+                pipe.rpush(reply_list, replies[i])
+                pipe.pexpire(reply_list, ttl_ms)
+        await pipe.execute()
 
     async def sweep(self, shards: int) -> int:
         """Give their TTL to the unread results that are due and delete the due waiter sets,
