@@ -13,7 +13,7 @@ from typing import Any
 
 from shared.errors import PoolUnreachable, SettingsError
 from shared.keys import Keys
-from shared.redis_conn import check_url, masked_url, tls_options
+from shared.redis_conn import masked_url, probe
 from shared.settings import Settings
 
 DEFAULT_CONCURRENCY = 256
@@ -118,20 +118,15 @@ def preflight(args: HarnessArgs) -> None:
 
     where = masked_url(args.redis_url)
     try:
-        probe = redis.Redis.from_url(
-            check_url(args.redis_url),
-            socket_connect_timeout=PREFLIGHT_TIMEOUT_S,
-            socket_timeout=PREFLIGHT_TIMEOUT_S,
-            **tls_options(args.redis_url),
-        )
+        node = probe(args.redis_url, PREFLIGHT_TIMEOUT_S, blocking=True)
     except ValueError as e:
         raise SettingsError(f"lmpool model_args redis_url={where!r}: {e}") from None
     try:
-        probe.ping()
+        node.ping()
     except (redis.RedisError, OSError) as e:
         raise PoolUnreachable(f"lmpool cannot reach Redis at redis_url={where!r}: {e}") from None
     finally:
-        probe.close()
+        node.close()
     client = connect_redis_sync(args.redis_url)
     try:
         known = sorted(m.decode() for m in client.smembers(Keys(args.key_prefix).models))

@@ -155,31 +155,37 @@ def reaching(url: str) -> Iterator[None]:
         ) from e
 
 
+def probe(url: str, timeout_s: float = 5.0, *, blocking: bool = False) -> Any:
+    """A plain client of the one node ``url`` names, for a question or two (none of the pools'
+    options): the URL checked (``ValueError``), its TLS options, short timeouts; ``blocking``:
+    redis-py's synchronous client."""
+    client: Any = sync_redis.Redis if blocking else Redis
+    t = timeout_s
+    options = {"socket_connect_timeout": t, "socket_timeout": t, **tls_options(url)}
+    return client.from_url(check_url(url), **options)
+
+
 def is_cluster(url: str) -> bool:
     """Whether ``url`` names a node of a Redis Cluster (asked once, then remembered)."""
     if url not in _CLUSTER:
-        probe = sync_redis.Redis.from_url(
-            check_url(url), socket_connect_timeout=5, socket_timeout=5, **tls_options(url)
-        )
+        node = probe(url, blocking=True)
         try:
-            info: Any = probe.info("cluster")
+            info: Any = node.info("cluster")
             _CLUSTER[url] = bool(int(info.get("cluster_enabled", 0)))
         finally:
-            probe.close()
+            node.close()
     return _CLUSTER[url]
 
 
 async def is_cluster_async(url: str) -> bool:
     """:func:`is_cluster` without blocking the event loop on the first ask."""
     if url not in _CLUSTER:
-        probe = Redis.from_url(
-            check_url(url), socket_connect_timeout=5, socket_timeout=5, **tls_options(url)
-        )
+        node = probe(url)
         try:
-            info: Any = await probe.info("cluster")
+            info: Any = await node.info("cluster")
             _CLUSTER[url] = bool(int(info.get("cluster_enabled", 0)))
         finally:
-            await probe.aclose()
+            await node.aclose()
     return _CLUSTER[url]
 
 

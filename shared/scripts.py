@@ -23,7 +23,8 @@ redis-py's own Script objects add a ``SCRIPT EXISTS`` round trip to every pipeli
 """
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
@@ -328,6 +329,19 @@ class Script:
         load_script_sync(redis, self.source)
 
 
+@contextmanager
+def moving_slots() -> Iterator[None]:
+    """Redis' refusal of a script's key in a slot moving between nodes ("non local key"), raised
+    inside, comes out as the transient :func:`shared.redis_conn.moving_slot` makes of it."""
+    try:
+        yield
+    except ResponseError as e:
+        again = moving_slot(e)
+        if again is e:
+            raise
+        raise again from e
+
+
 async def execute(
     redis: Any,
     build: Callable[[Any], None],
@@ -346,15 +360,12 @@ async def execute(
         pipe = redis.pipeline(transaction=False)
         build(pipe)
         try:
-            results: list[Any] = await pipe.execute(raise_on_error=raise_on_error)
+            with moving_slots():
+                results: list[Any] = await pipe.execute(raise_on_error=raise_on_error)
         except NoScriptError:
             if attempt == 2:
                 raise
             results = [NoScriptError()]
-        except ResponseError as e:
-            if moving_slot(e) is e:
-                raise
-            raise moving_slot(e) from e
         if seen is not None:
             seen(results)
         if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
@@ -416,16 +427,12 @@ def _noscript(answer: Any) -> bool:
 async def run_script(redis: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """One script call outside a pipeline (cheaper for a single command); loads it on
     NOSCRIPT."""
-    try:
+    with moving_slots():
         try:
             return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             await script.load(redis)
             return await redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-    except ResponseError as e:
-        if moving_slot(e) is e:
-            raise
-        raise moving_slot(e) from e
 
 
 SUBMIT_SCRIPT = Script(SUBMIT)

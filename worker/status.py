@@ -17,7 +17,6 @@ import sys
 import time
 from typing import Any, cast
 
-from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.connection import parse_url
 from redis.exceptions import RedisError
@@ -30,8 +29,8 @@ from shared.redis_conn import (
     check_url,
     connect_redis,
     masked_url,
+    probe,
     reaching,
-    tls_options,
 )
 from shared.settings import Settings
 from worker.quota import read_quotas
@@ -294,16 +293,14 @@ async def cluster_trouble(url: str) -> str | None:
     master with slots flagged failing: a node down, a failover in progress), one line naming the
     masters that do not answer and their slots, as the node at ``url`` sees them; else None
     (or when that node does not say: an ACL user without ``CLUSTER``)."""
-    probe = Redis.from_url(
-        check_url(url), socket_connect_timeout=5, socket_timeout=5, **tls_options(url)
-    )
+    node = probe(url)
     try:
-        info = _s(await probe.execute_command("CLUSTER", "INFO"))
-        nodes = _s(await probe.execute_command("CLUSTER", "NODES"))
+        info = _s(await node.execute_command("CLUSTER", "INFO"))
+        nodes = _s(await node.execute_command("CLUSTER", "NODES"))
     except (RedisError, OSError):
         return None
     finally:
-        await probe.aclose()
+        await node.aclose()
     state = "ok"
     for line in info.splitlines():
         if line.startswith("cluster_state:"):
