@@ -123,6 +123,7 @@ def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any
     with RedisServer(
         maxmemory_mb=args.maxmemory_mb, maxmemory_policy="volatile-lru", unix_socket=unix
     ) as server:
+        report.line(f"# redis: {describe_binary(server.binary)}, started with {malloc_note()}")
         if unix:
             report.line(f"# the pool's clients on Redis' unix socket: {server.unix_url}")
         if getattr(args, "pin_redis", False):
@@ -142,6 +143,25 @@ def cache_redis(args: Any, report: Report, row_bytes: int) -> Iterator[tuple[Any
             )
             # results of distinct prompts pile up at a row each
             yield server, {"result_ttl_s": args.result_ttl_s}
+
+
+def describe_binary(binary: str) -> str:
+    """``binary`` and what its ``--version`` says of itself (version, malloc: libc or jemalloc)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{binary} ({e})"
+    words = dict(w.split("=", 1) for w in out.stdout.split() if "=" in w)
+    return f"{binary} (v={words.get('v', '?')}, malloc={words.get('malloc', '?')})"
+
+
+def malloc_note() -> str:
+    """The ``GLIBC_TUNABLES`` a Redis this package starts runs with (``shared.heap``)."""
+    try:
+        from shared.heap import server_environment
+    except ImportError:  # older code, run by this script: it started Redis as it was
+        return "the environment as it is (older code)"
+    return f"GLIBC_TUNABLES={server_environment()['GLIBC_TUNABLES']}"
 
 
 def fill_cache(url: str, value_bytes: int) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import tempfile
@@ -220,6 +221,7 @@ async def pool_side(
         device=args.device,
         dtype=args.dtype,
         torch_threads=args.threads,
+        keep_freed_memory=args.heap == "kept",
         max_batch=max(64, args.particles),
         heartbeat_s=0.5,  # the KV counters, read after two heartbeats
         log_level="WARNING",
@@ -301,10 +303,11 @@ async def run(args: argparse.Namespace, report: benchkit.Report) -> None:
     # as RemoteLM.connect does by default (shared.heap), before the bare side's first round
     # too: the bare loop runs faster so
     kept = args.heap == "kept" and keep_freed_memory()
+    if args.heap == "default":  # the Redis started below too (shared.heap.server_environment)
+        os.environ["GLIBC_TUNABLES"] = ""
     report.line(
-        f"# C heap of this process (bare side and producer): freed memory "
-        f"{'kept for reuse' if kept else 'given back'} (--heap {args.heap}); the worker's: "
-        "glibc's defaults"
+        f"# C heap of this process (bare side and producer), the worker's and Redis': freed "
+        f"memory {'kept for reuse' if kept else 'given back'} (--heap {args.heap})"
     )
     with tempfile.TemporaryDirectory(prefix="lmpool-efficiency-") as tmp:
         if args.model in ("tiny", "tiny-hd32"):
@@ -480,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         "--heap",
         choices=("kept", "default"),
         default="kept",
-        help="this process' C heap: freed memory kept (shared.heap; RemoteLM's default) or "
-        "glibc's defaults (LMPOOL_KEEP_FREED_MEMORY=0)",
+        help="the C heap of this process, the worker and Redis: freed memory kept (shared.heap; "
+        "the default of RemoteLM, workers and the Redis servers lmpool starts) or glibc's "
+        "defaults (LMPOOL_KEEP_FREED_MEMORY=0, GLIBC_TUNABLES='')",
     )
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the worker during the pool's SMC runs"

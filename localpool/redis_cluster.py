@@ -31,6 +31,7 @@ from localpool.redis_cluster_nodes import (
     server_args,
 )
 from localpool.redis_server import find_server_binary
+from shared import heap
 
 __all__ = ["CLUSTER_BUS_OFFSET", "CLUSTER_SLOTS", "ClusterMember", "RedisCluster"]
 
@@ -152,7 +153,10 @@ class RedisCluster:
     def _spawn(self, node: ClusterMember) -> None:
         node.close_admin()
         node.proc = subprocess.Popen(
-            self._args(node), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self._args(node),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=heap.server_environment(),
         )
 
     def _wait_answers(self, nodes: list[ClusterMember], deadline: float) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from shared import heap
+
 MIN_VERSION = (7, 0)
 
 
@@ -183,7 +185,10 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.proc = subprocess.Popen(
-            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self._args(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=heap.server_environment(),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

