@@ -16,7 +16,7 @@ memory then stays near its peak instead of shrinking between steps. ``RemoteLM``
 it connects, unless ``LMPOOL_KEEP_FREED_MEMORY=0``. A worker, which makes the rows and frees
 them once written, sets it at start-up under the same setting: on 2 cores it moved neither its
 page faults nor its throughput beyond the noise, but on a 16-core host (torch 2.11, Python 3.12)
-glibc's own thresholds gave it 5,500 page faults a step, and kept memory 420-446
+glibc's own thresholds gave it 5,500 page faults a step, the fixed ones 420-446
 (bench/results/efficiency-cpu16-h200-host.txt). glibc moves its thresholds with the sizes it
 has freed, so whether a step's memory is reused is decided by the sizes of a host's allocations;
 fixed thresholds decide it once. The Redis servers this package starts (``localpool``) get the
@@ -29,7 +29,8 @@ thread frees them once written, and glibc's arenas kept growing with that: 33 Mi
 memory a run of ``bench/worker_memory.py`` (64 particles, 32 steps), 1.1 GB after 20 runs and
 rising, where the same rows freed in the thread that made them left it flat.
 :func:`give_back_freed_memory` (``malloc_trim``) returns what the arenas hold free to the
-system; the worker calls it each heartbeat (1-10 ms, off the event loop).
+system; the worker calls it from its heartbeat (1-10 ms, off the event loop) once it has grown
+:data:`TRIM_GROWTH` since the last time or has idled (:class:`Trimmer`).
 
 Python's own collector pauses a process whole for each full collection, and a full collection
 visits every object the process holds: a worker with torch, transformers and its model loaded

@@ -175,8 +175,8 @@ class Settings:
     """Producer and worker: glibc's malloc keeps freed memory for reuse (``shared.heap``), so
     an SMC step's rows (12.5 MB for 64 of SmolLM2's) do not fault in fresh pages every step,
     neither in the caller's process, which receives them, nor in the worker's, which makes
-    them; resident memory stays near its peak (a worker still gives its free memory back each
-    heartbeat). False leaves glibc's defaults."""
+    them; resident memory stays near its peak (a worker gives its free memory back once it has
+    grown 256 MiB, or when idle). False leaves glibc's defaults."""
     metrics_port: int = 0
     """Worker Prometheus metrics port; 0 disables the endpoint."""
     log_level: str = "INFO"
