@@ -5,6 +5,7 @@ objects out of full collections."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -210,33 +211,9 @@ def test_a_worker_keeps_freed_memory_unless_told_not_to(
     assert worker.info()["freed_memory_kept"] is keep
 
 
-BIG_VALUES = """
-import os, sys
-import redis
-from localpool.redis_server import RedisServer
-
-def minflt(pid):
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[7])
-
-def faults_per_step(server):  # a step's 64 rows of 196 KB written, then read and deleted
-    r = redis.Redis.from_url(server.url)
-    row = os.urandom(196_608)
-    def step(k):
-        p = r.pipeline(transaction=False)
-        for i in range(64):
-            p.set(f"r{k}:{i}", row)
-        p.execute()
-        p = r.pipeline(transaction=False)
-        for i in range(64):
-            p.getdel(f"r{k}:{i}")
-        p.execute()
-    for k in range(5):
-        step(k)
-    before = minflt(server.proc.pid)
-    for k in range(5, 45):
-        step(k)
-    return (minflt(server.proc.pid) - before) / 40
-"""
+def minor_faults(pid: int) -> int:
+    """Minor page faults process ``pid`` has taken so far (fresh pages touched)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
 def bundled_valkey() -> str:
@@ -250,14 +227,31 @@ def test_the_bundled_server_keeps_freed_memory() -> None:
     written and read took fresh pages every step at glibc's thresholds (77 page faults a step
     here, and its CPU a step 17 ms against 10-14 ms on the 16-core host); a server this package
     starts gets the same thresholds as a producer's heap."""
-    out = run(
-        BIG_VALUES
-        + f"""
-with RedisServer(binary={bundled_valkey()!r}) as server:
-    print(faults_per_step(server))
-    """
-    )
-    assert float(out) < 5, f"{out} page faults a step in the server"
+    import redis
+
+    from localpool.redis_server import RedisServer
+
+    row = os.urandom(196_608)
+    with RedisServer(binary=bundled_valkey()) as server, redis.Redis.from_url(server.url) as r:
+        assert server.proc is not None
+
+        def step(k: int) -> None:  # a step's 64 rows written, then read and deleted
+            pipe = r.pipeline(transaction=False)
+            for i in range(64):
+                pipe.set(f"r{k}:{i}", row)
+            pipe.execute()
+            pipe = r.pipeline(transaction=False)
+            for i in range(64):
+                pipe.getdel(f"r{k}:{i}")
+            pipe.execute()
+
+        for k in range(5):
+            step(k)
+        before = minor_faults(server.proc.pid)
+        for k in range(5, 45):
+            step(k)
+        faults = (minor_faults(server.proc.pid) - before) / 40
+    assert faults < 5, f"{faults} page faults a step in the server"
 
 
 def test_a_servers_malloc_options_defer_to_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,10 +269,6 @@ def test_a_servers_malloc_options_defer_to_the_callers(monkeypatch: pytest.Monke
     assert env["LMPOOL_SOMETHING"] == "kept"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     assert heap.server_environment()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
-
-
-def minor_faults(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
 @needs_glibc
