@@ -5,7 +5,9 @@ blocking, ride them out too, and a Redis that stops answering fails them at thei
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from poolkit import WorkerProcess, mock_row, wait_until
 
 from localpool.redis_server import RedisServer
 from producer import RemoteLM
+from shared.aio import OutageLog
 from shared.errors import RequestTimeout
 from shared.settings import Settings
 
@@ -27,7 +30,9 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.asyncio
 async def test_a_worker_rides_out_a_redis_restart_of_seconds(tmp_path: Path) -> None:
     """Down for 3 s (its arq connection refused, not only its streams'): the worker stays up,
-    says so in its log, and serves once Redis is back (it exited 0.5 s into the outage)."""
+    says so in its log, and serves once Redis is back (it exited 0.5 s into the outage). Each
+    of its loops says the outage began and ended, once (before: a line at every try, 15 from
+    the heartbeat alone, 0.2 s here)."""
     with RedisServer(appendonly=True) as server:
         w = WorkerProcess(server.url, tmp_path, backend="mock", mock_vocab_size=V)
         w.start().wait_ready()
@@ -42,19 +47,29 @@ async def test_a_worker_rides_out_a_redis_restart_of_seconds(tmp_path: Path) -> 
             assert torch.equal(row, mock_row(V, [1, 2]))
             assert "arq's connection to Redis failed" in w.log()
             await wait_until(lambda: "connection to Redis is back" in w.log(), 10, "the end line")
+            await wait_until(
+                lambda: "Redis answers for the heartbeat again after" in w.log(), 10, "its end"
+            )
+            began = re.findall(r"Redis unreachable (.+?) \(", w.log(10**6))
+            assert "for the heartbeat" in began and "while reading" in began, began
+            assert len(began) == len(set(began)), began  # one line a loop
         finally:
             w.stop()
 
 
-def test_a_stop_during_an_outage_ends_the_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("down_s", [1.5, 0.0], ids=["outage-seen", "outage-unseen"])
+def test_a_stop_during_an_outage_ends_the_worker(tmp_path: Path, down_s: float) -> None:
     """SIGTERM while Redis is down: the worker does not wait for Redis (it would, for good, were
     every call retried until Redis answers); it ends within seconds, with the one line that
-    names the unreachable Redis."""
+    names the unreachable Redis. ``outage-seen``: arq's connection is already waiting between
+    attempts; ``outage-unseen``: the signal comes first, and the first call that fails is the
+    DEL of arq's health-check key after its main task ended (retried until Redis answered,
+    before: such a worker never ended)."""
     with RedisServer() as server:
         w = WorkerProcess(server.url, tmp_path, backend="mock", mock_vocab_size=V)
         w.start().wait_ready()
         server.stop()
-        time.sleep(1.5)  # the outage has begun for arq's connection too
+        time.sleep(down_s)
         assert w.alive()
         started = time.monotonic()
         try:
@@ -64,7 +79,36 @@ def test_a_stop_during_an_outage_ends_the_worker(tmp_path: Path) -> None:
                 w.kill()
         assert time.monotonic() - started < 10
         assert code == 1
-        assert "cannot reach Redis at LMPOOL_REDIS_URL=" in w.log()
+        assert "stopped without unregistering: cannot reach Redis at LMPOOL_REDIS_URL=" in w.log()
+
+
+def test_a_stop_while_the_streams_redis_is_down_ends_the_worker(tmp_path: Path) -> None:
+    """arq's queue on a Redis that answers, the streams' Redis down: SIGTERM ends the worker
+    through its own shutdown, within seconds and with status 0, saying what it could not undo
+    (before: the unregister's error went out through arq, and its last line named arq's
+    Redis, LMPOOL_ARQ_REDIS_URL, as the one that could not be reached)."""
+    with RedisServer() as arq_server:
+        with RedisServer() as server:
+            w = WorkerProcess(
+                server.url,
+                tmp_path,
+                backend="mock",
+                mock_vocab_size=V,
+                arq_redis_url=arq_server.url,
+            )
+            w.start().wait_ready()
+        started = time.monotonic()
+        try:
+            code = w.terminate(timeout_s=30)
+        finally:
+            if w.alive():
+                w.kill()
+        assert time.monotonic() - started < 10
+        log = w.log(10**6)
+        assert code == 0, log[-2000:]
+        assert "could not unregister" in log and "heartbeat expires by itself" in log
+        assert "LMPOOL_ARQ_REDIS_URL" not in log
+        assert re.search(r"INFO lmpool\.worker\[\d+\] worker \S+ stopped", log), log[-2000:]
 
 
 @pytest.mark.asyncio
@@ -147,3 +191,25 @@ async def test_a_call_to_a_redis_that_stopped_answering_times_out_on_time(
                 assert torch.equal(row, mock_row(V, [3, 5]))
         finally:
             w.stop()
+
+
+def test_an_outage_is_said_when_it_begins_every_minute_while_it_lasts_and_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    outage = OutageLog(logging.getLogger("lmpool.test"), "for the test", clock=lambda: now[0])
+    error = ConnectionError("refused")
+    with caplog.at_level(logging.WARNING, "lmpool.test"):
+        for _ in range(30):  # a try every 2 s for 60 s: the first line only
+            outage.failed(error)
+            now[0] += 2.0
+        outage.failed(error)  # 60 s on: the minute's line
+        outage.failed(error)
+        outage.answered()
+        outage.answered()  # no outage: nothing
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "Redis unreachable for the test (ConnectionError('refused')); retrying",
+        "Redis still unreachable for the test after 60 s and 31 tries (ConnectionError('refused'))",
+        "Redis answers for the test again after 60.0 s",
+    ], said

@@ -43,7 +43,7 @@ def load_settings() -> Settings:
 async def startup(ctx: dict[str, Any]) -> None:
     try:
         await _start(ctx)
-        ARQ_RETRY.serve()
+        ARQ_RETRY.serve(asyncio.current_task())  # arq runs its hooks in its main task
     except SettingsError as e:  # found once the servers or the model were looked at
         log.error("%s", e)
         raise SystemExit(2) from None
@@ -181,7 +181,10 @@ def _report_unreachable(
     if isinstance(error, (RedisConnectionError, RedisTimeoutError)) and _through_arq(tb):
         variable = "LMPOOL_ARQ_REDIS_URL" if _SETTINGS.arq_redis_url else "LMPOOL_REDIS_URL"
         url = _SETTINGS.arq_redis_url or _SETTINGS.redis_url
-        print(f"lmpool worker: {unreachable(variable, url, error)}", file=sys.stderr)
+        said = unreachable(variable, url, error)
+        if ARQ_RETRY.serving:  # it served, then a stop found Redis gone
+            said = f"stopped without unregistering: {said} (other workers take over what it held)"
+        print(f"lmpool worker: {said}", file=sys.stderr)
         return
     _previous_hook(kind, error, tb)
 
@@ -208,9 +211,10 @@ class ServingRetry(Retry):
     - serving (``serve``, once start-up is done): an outage, refused connections included, is
       waited out however long it lasts (a Redis restart loading its data), one warning line when
       it begins and one when it ends; the stream side does the same (``shared.redis_conn``);
-    - stopping (a wait between attempts was cancelled: arq cancels its main task on SIGTERM or
-      SIGINT): at most ``STOP_RETRIES`` more attempts a call, so that a stop during an outage
-      ends; what the worker held stays pending and is taken over by another worker.
+    - stopping (arq cancels its main task on SIGTERM or SIGINT, then deletes its health-check
+      key before it calls ``on_shutdown``): at most ``STOP_RETRIES`` more attempts a call, so
+      that a stop during an outage ends; what the worker held stays pending and is taken over
+      by another worker.
     """
 
     STOP_RETRIES = 2
@@ -221,12 +225,14 @@ class ServingRetry(Retry):
         self.stopping = False
         self.out_since: float | None = None
         """When the current outage began (monotonic), None while Redis answers."""
+        self.main: asyncio.Task[Any] | None = None
+        """arq's main task: once it is cancelled or done, the worker is stopping."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ServingRetry:
         return self
 
-    def serve(self) -> None:
-        self.serving = True
+    def serve(self, main: asyncio.Task[Any] | None = None) -> None:
+        self.serving, self.main = True, main
         self._supported_errors = (RedisConnectionError, RedisTimeoutError, OSError)  # type: ignore[assignment]
 
     async def call_with_retry(self, do: Callable[[], Any], fail: Callable[[Any], Any]) -> Any:
@@ -239,9 +245,9 @@ class ServingRetry(Retry):
             except self._supported_errors as error:
                 failures += 1
                 await fail(error)
-                if self.stopping and failures > self.STOP_RETRIES:
+                if self._stopping() and failures > self.STOP_RETRIES:
                     raise
-                if self.out_since is None:
+                if self.out_since is None and not self._stopping():
                     self.out_since = time.monotonic()
                     log.warning("arq's connection to Redis failed (%r); retrying until it "
                                 "answers", error)  # fmt: skip
@@ -256,6 +262,12 @@ class ServingRetry(Retry):
                             time.monotonic() - self.out_since)  # fmt: skip
                 self.out_since = None
             return result
+
+    def _stopping(self) -> bool:
+        # a stop that came while no retry was waiting: arq's close then deletes its health
+        # key outside the main task, and that DEL was retried until Redis answered (forever)
+        main = self.main
+        return self.stopping or (main is not None and (main.done() or main.cancelling() > 0))
 
 
 def redis_settings(url: str) -> RedisSettings:

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from shared import heap, registry
-from shared.aio import wait_event
+from shared.aio import OutageLog, wait_event
 from shared.errors import ProtocolError, SettingsError
 from shared.keys import Keys
 from shared.protocol import PROTOCOL_VERSION
@@ -227,6 +227,7 @@ class PoolWorker:
             self._expired_said = (stats.expired, now)
 
     async def _heartbeat_loop(self) -> None:
+        outage = OutageLog(log, "for the heartbeat")
         while not self._stopping.is_set():
             await wait_event(self._stopping, self.settings.heartbeat_s)
             if self._stopping.is_set():
@@ -244,8 +245,9 @@ class PoolWorker:
                 # rows made in the compute thread and freed in this one (shared.heap)
                 busy_s, self._busy_s_seen = self._busy_s_seen, self.consumer.stats.busy_s
                 await asyncio.to_thread(self.trim, busy_s == self._busy_s_seen)
+                outage.answered()
             except TRANSIENT as e:
-                log.warning("Redis unreachable for the heartbeat (%r); retrying", e)
+                outage.failed(e)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
@@ -265,7 +267,10 @@ class PoolWorker:
             await leave_groups(self.consumer)
         except Exception:
             log.warning("could not leave the streams' groups; other workers take this one out")
-        await registry.unregister(self.redis, self.keys, self.model, self.worker_id)
+        try:
+            await registry.unregister(self.redis, self.keys, self.model, self.worker_id)
+        except TRANSIENT as e:
+            log.warning("could not unregister (%r); this worker's heartbeat expires by itself", e)
         await self.redis.aclose()
         self.metrics.close()
         self.backend.close()

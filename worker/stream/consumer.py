@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from shared.aio import OutageLog
 from shared.errors import DeadLettered
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
 from shared.registry import is_runtime_adapter
@@ -201,7 +202,7 @@ class Consumer:
 
     # -- reading --------------------------------------------------------------------------
     async def _read_loop(self) -> None:
-        backoff = Backoff()
+        backoff, outage = Backoff(), OutageLog(log, "while reading")
         try:
             while not self._stopping.is_set():
                 self.reader.room.clear()  # before looking, so a change after it wakes us
@@ -215,10 +216,11 @@ class Consumer:
                         await self._take(entries)
                 except TRANSIENT as e:
                     wait = backoff.step()
-                    log.warning("Redis unreachable while reading (%r); retry in %.2fs", e, wait)
+                    outage.failed(e)
                     await asyncio.sleep(wait)
                     continue
                 backoff.reset()
+                outage.answered()
         except Exception:
             log.exception("stream reader failed")
             raise

@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared.aio import wait_event
+from shared.aio import OutageLog, wait_event
 from shared.keys import GROUP
 from shared.redis_conn import TRANSIENT
 from shared.scripts import FORGET_SCRIPT, execute, run_script
@@ -145,26 +145,30 @@ async def renew_held(consumer: Consumer) -> int:
 async def renew_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
     """``renew_held`` every ``Settings.renew_s`` until ``stopping`` (the consumer's end: a
     stopping worker still renews what it finishes)."""
+    outage = OutageLog(log, "to claim held entries again")
     while not stopping.is_set():
         await wait_event(stopping, consumer.settings.renew_s)
         if stopping.is_set():
             return
         try:
             await renew_held(consumer)
+            outage.answered()
         except TRANSIENT as e:
-            log.warning("Redis unreachable to claim held entries again (%r); next period", e)
+            outage.failed(e, "next period")
         except Exception:
             log.exception("claiming held entries again failed; retrying next period")
 
 
 async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
     period = min(max(consumer.settings.claim_after_s / 2, 0.2), 10.0)
+    outage = OutageLog(log, "for the reclaim scan")
     while not stopping.is_set():
         await wait_event(stopping, period)
         if stopping.is_set():
             return
         try:
             await reclaim_once(consumer)
+            outage.answered()
         except ResponseError as e:
             if not stream_gone(e):
                 log.exception("reclaim scan failed; retrying next period")
@@ -172,7 +176,7 @@ async def reclaim_loop(consumer: Consumer, stopping: asyncio.Event) -> None:
             log.warning("request streams vanished (%s): creating them again", e)
             await consumer.ensure_groups()
         except TRANSIENT as e:
-            log.warning("Redis unreachable for the reclaim scan (%r); next period", e)
+            outage.failed(e, "next period")
         except Exception:
             log.exception("reclaim scan failed; retrying next period")
 

@@ -26,6 +26,7 @@ from typing import Any
 from redis.exceptions import OutOfMemoryError
 
 from shared import protocol
+from shared.aio import OutageLog
 from shared.keys import GROUP, Keys
 from shared.protocol import wire_bytes, wire_len
 from shared.redis_conn import TRANSIENT, AnyRedis, Backoff
@@ -288,15 +289,16 @@ def finish_groups(jobs: list[Job]) -> list[list[int]]:
 async def until_done(step: Callable[[], Awaitable[None]], give_up: Callable[[], bool]) -> bool:
     """Run a Redis step until it succeeds, riding out outages; False if ``give_up()`` says so
     while Redis is unreachable (the entries then stay pending: another worker reclaims them)."""
-    backoff = Backoff()
+    backoff, outage = Backoff(), OutageLog(log, "to write answers")
     while True:
         try:
             await step()
+            outage.answered()
             return True
         except TRANSIENT as e:
             if give_up():
                 log.error("Redis unreachable at shutdown (%r): entries stay pending", e)
                 return False
             wait = backoff.step()
-            log.warning("Redis unreachable (%r); retry in %.2fs", e, wait)
+            outage.failed(e)
             await asyncio.sleep(wait)
