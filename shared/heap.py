@@ -124,12 +124,15 @@ class Trimmer:
     grown ``growth_bytes`` beyond what it held after the last time, or when it served nothing
     since the last call. Trimmed at every heartbeat, a busy worker faulted its next rows into
     the pages the trim had just returned (916 page faults a step at a 0.2 s heartbeat); never
-    trimmed, its arenas grew 30 MiB an SMC run (``bench/worker_memory.py``)."""
+    trimmed, its arenas grew 30 MiB an SMC run (``bench/worker_memory.py``). The growth counts
+    from what the process held when the trimmer was made (a worker: its model loaded), so that
+    a worker busy from its start keeps its memory too (it trimmed at its first heartbeat,
+    busy or not: in ``bench/efficiency.py``, in the middle of the timed SMC run)."""
 
     def __init__(self, growth_bytes: int = TRIM_GROWTH) -> None:
         self.growth_bytes = growth_bytes
-        self.floor = 0
-        """Resident bytes just after the last trim (0: none yet)."""
+        self.floor = resident_bytes()
+        """Resident bytes just after the last trim, or when made (0: unknown, no ``/proc``)."""
         self.trims = 0
 
     def __call__(self, idle: bool) -> bool:
