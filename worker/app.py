@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import sys
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import heap
+from shared.aio import OutageLog, cancelling
 from shared.errors import SettingsError
 from shared.keys import Keys
 from shared.redis_conn import arq_redis_settings, is_cluster, is_cluster_async, masked_url
@@ -209,8 +209,8 @@ class ServingRetry(Retry):
     - start-up: ``retries`` attempts, a refused connection not retried: a worker whose Redis
       does not answer ends with one line (arq's own start-up attempts, then ``unreachable``);
     - serving (``serve``, once start-up is done): an outage, refused connections included, is
-      waited out however long it lasts (a Redis restart loading its data), one warning line when
-      it begins and one when it ends; the stream side does the same (``shared.redis_conn``);
+      waited out however long it lasts (a Redis restart loading its data), logged as the stream
+      side's loops log theirs (``shared.aio.OutageLog``);
     - stopping (arq cancels its main task on SIGTERM or SIGINT, then deletes its health-check
       key before it calls ``on_shutdown``): at most ``STOP_RETRIES`` more attempts a call, so
       that a stop during an outage ends; what the worker held stays pending and is taken over
@@ -223,8 +223,7 @@ class ServingRetry(Retry):
         super().__init__(ExponentialBackoff(cap=2.0, base=0.1), retries)
         self.serving = False
         self.stopping = False
-        self.out_since: float | None = None
-        """When the current outage began (monotonic), None while Redis answers."""
+        self.outage = OutageLog(log, "for arq's connections")
         self.main: asyncio.Task[Any] | None = None
         """arq's main task: once it is cancelled or done, the worker is stopping."""
 
@@ -247,27 +246,22 @@ class ServingRetry(Retry):
                 await fail(error)
                 if self._stopping() and failures > self.STOP_RETRIES:
                     raise
-                if self.out_since is None and not self._stopping():
-                    self.out_since = time.monotonic()
-                    log.warning("arq's connection to Redis failed (%r); retrying until it "
-                                "answers", error)  # fmt: skip
+                if not self._stopping():
+                    self.outage.failed(error, "retrying until it answers")
                 try:
                     await asyncio.sleep(self._backoff.compute(failures))
                 except asyncio.CancelledError:
                     self.stopping = True
                     raise
                 continue
-            if self.out_since is not None:
-                log.warning("arq's connection to Redis is back after %.1f s",
-                            time.monotonic() - self.out_since)  # fmt: skip
-                self.out_since = None
+            self.outage.answered()
             return result
 
     def _stopping(self) -> bool:
         # a stop that came while no retry was waiting: arq's close then deletes its health
         # key outside the main task, and that DEL was retried until Redis answered (forever)
         main = self.main
-        return self.stopping or (main is not None and (main.done() or main.cancelling() > 0))
+        return self.stopping or (main is not None and (main.done() or cancelling(main)))
 
 
 def redis_settings(url: str) -> RedisSettings:
