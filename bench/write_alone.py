@@ -1,6 +1,6 @@
 """A step's rows written alone: 64 SETs of 49,152 float32 log-probs (12.5 MB) in one pipeline,
-through the worker's own connection (``shared.resp.RespConnection``, asyncio) and through a
-raw blocking socket (``sendall``, the replies read after), to a private Redis with no other
+through the worker's own connection (``shared.resp.RespConnection``, asyncio) and through the
+raw blocking socket of ``bench/rowtrip.py`` (its SETs' half), to a private Redis with no other
 client. Says whether the worker's write path costs more than the socket itself; in the pool
 the write also shares Redis and the cores with the producer's reads (``bench/smc_timeline.py``).
 
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import time
 
 import benchkit
 import torch
+from rowtrip import RowTrip
 
 from localpool.redis_server import RedisServer
-from shared.resp import RespConnection, pack_parts
+from shared.resp import RespConnection
 
 VOCAB = 49_152
 ROWS = 64
@@ -45,25 +45,6 @@ async def through_resp(url: str, values: list[bytes], n: int) -> list[float]:
     return out
 
 
-def through_socket(port: int, values: list[bytes], n: int) -> list[float]:
-    sock = socket.create_connection(("127.0.0.1", port))
-    replies = sock.makefile("rb")
-    out = []
-    try:
-        for t in range(n):
-            parts = pack_parts(commands(values, t))
-            started = time.perf_counter()
-            for part in parts:
-                sock.sendall(part)
-            for _ in values:
-                assert replies.readline() == b"+OK\r\n"
-            out.append((time.perf_counter() - started) * 1e3)
-    finally:
-        replies.close()
-        sock.close()
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -77,11 +58,15 @@ def main() -> None:
         report.line(f"# redis: {benchkit.describe_binary(server.binary)}")
         for _ in range(args.rounds):
             resp = asyncio.run(through_resp(server.url, values, args.writes))[5:]
-            raw = through_socket(server.port, values, args.writes)[5:]
+            trip = RowTrip(server.url, server.port)
+            try:
+                raw_s, _, _ = trip.measure(rows, len(resp))
+            finally:
+                trip.close()
             report.line(
                 f"{ROWS} SETs of {VOCAB} float32 ({ROWS * VOCAB * 4 / 1e6:.1f} MB), medians of "
                 f"{len(resp)}: shared.resp (asyncio) {statistics.median(resp):.2f} ms, raw "
-                f"blocking socket {statistics.median(raw):.2f} ms"
+                f"blocking socket (bench/rowtrip.py) {raw_s * 1e3:.2f} ms"
             )
     report.close()
 
