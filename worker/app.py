@@ -222,7 +222,6 @@ class ServingRetry(Retry):
     def __init__(self, retries: int) -> None:
         super().__init__(ExponentialBackoff(cap=2.0, base=0.1), retries)
         self.serving = False
-        self.stopping = False
         self.outage = OutageLog(log, "for arq's connections")
         self.main: asyncio.Task[Any] | None = None
         """arq's main task: once it is cancelled or done, the worker is stopping."""
@@ -248,20 +247,17 @@ class ServingRetry(Retry):
                     raise
                 if not self._stopping():
                     self.outage.failed(error, "retrying until it answers")
-                try:
-                    await asyncio.sleep(self._backoff.compute(failures))
-                except asyncio.CancelledError:
-                    self.stopping = True
-                    raise
+                await asyncio.sleep(self._backoff.compute(failures))
                 continue
             self.outage.answered()
             return result
 
     def _stopping(self) -> bool:
-        # a stop that came while no retry was waiting: arq's close then deletes its health
-        # key outside the main task, and that DEL was retried until Redis answered (forever)
+        # from arq's main task, whether or not a retry was waiting when the stop came (one that
+        # was not: arq's close then deletes its health key outside the main task, and that DEL
+        # was retried until Redis answered, for good)
         main = self.main
-        return self.stopping or (main is not None and (main.done() or cancelling(main)))
+        return main is not None and (main.done() or cancelling(main))
 
 
 def redis_settings(url: str) -> RedisSettings:
